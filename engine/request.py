@@ -1,0 +1,79 @@
+"""Per-request state that the scheduler, KV manager and engine share.
+
+There is no prefill or decode phase: a request has `token_ids` (prompt plus
+output so far) and `num_computed_tokens`, the prefix whose K/V sits in the
+cache. Each step the scheduler lets it catch up by some tokens; when it has
+caught up the sampler appends one. Speculative tokens ride behind as
+`spec_token_ids`, computed with the rest and dropped again on rejection.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    """Lower runs first (vLLM's convention)."""
+    eos_token_id: int | None = None
+    arrival: int = field(default_factory=lambda: next(_arrival_counter))
+    token_ids: list[int] = field(init=False)
+    """Prompt then output tokens, appended to in place."""
+    output_logprobs: list[float] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens the prefix cache supplied at first admission."""
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    """Hash chain of this request's full blocks, extended as tokens arrive."""
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return self.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: priority first, then arrival."""
+        return (self.priority, self.arrival)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

@@ -1,0 +1,86 @@
+"""Turn logits into tokens: penalties, temperature, top-k / top-p, seeded draws.
+
+Every row draws with its own `torch.Generator`, so a request with a seed
+gets the same tokens whatever else shares the batch. `probs_for` exposes the
+processed distribution so speculative verification applies the very same
+temperature / top-k / top-p to target and draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """What the sampler needs to know about one row of logits."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    seen_token_ids: list[int]
+    """Prompt and output so far: for the repetition penalty."""
+    num_output_tokens: int
+    banned_until_min_tokens: tuple[int, ...]
+    """EOS and stop token ids, masked while fewer than min_tokens were produced."""
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[float]]:
+    """One token per row of `logits` [N, V], and its log-probability under the raw model."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    token_ids = [_sample_row(logits[i], row) for i, row in enumerate(rows)]
+    chosen = logprobs[torch.arange(len(rows)), torch.tensor(token_ids)]
+    return token_ids, chosen.tolist()
+
+
+def _sample_row(logits: torch.Tensor, row: SampleRow) -> int:
+    logits = adjust_logits(logits, row)
+    if row.params.greedy:
+        return int(logits.argmax())
+    probs = probs_for(logits, row.params)
+    return int(torch.multinomial(probs, 1, generator=row.generator))
+
+
+def adjust_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """Apply the repetition penalty and the min_tokens ban (before any sampling choice)."""
+    params = row.params
+    if params.repetition_penalty != 1.0 and row.seen_token_ids:
+        logits = apply_repetition_penalty(logits, row.seen_token_ids, params.repetition_penalty)
+    if row.num_output_tokens < params.min_tokens and row.banned_until_min_tokens:
+        logits = logits.clone()
+        logits[list(row.banned_until_min_tokens)] = float("-inf")
+    return logits
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: list[int], penalty: float) -> torch.Tensor:
+    """CTRL's penalty as HF applies it: shrink positive logits of seen tokens, grow negative ones."""
+    index = torch.tensor(sorted(set(seen)), dtype=torch.long)
+    picked = logits[index]
+    logits = logits.clone()
+    logits[index] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def probs_for(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request samples from: temperature, then top-k, then top-p."""
+    scaled = logits / params.temperature
+    return torch.softmax(mask_top_k_top_p(scaled, params.top_k, params.top_p), dim=-1)
+
+
+def mask_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set to -inf every logit outside the top k and outside the smallest set holding top_p mass."""
+    if top_k == 0 and top_p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(descending=True)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if 0 < top_k < logits.shape[-1]:
+        drop[top_k:] = True
+    if top_p < 1.0:
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= top_p  # the top token always survives: mass_before is 0
+    unsorted_drop = torch.empty_like(drop).scatter_(0, order, drop)
+    return logits.masked_fill(unsorted_drop, float("-inf"))

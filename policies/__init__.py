@@ -1,0 +1,1 @@
+"""Pure request policies: tiers, routing, admission and rate limits (no Ray, no torch)."""
