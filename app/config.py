@@ -105,7 +105,9 @@ class TierserveConfig(_Strict):
         for tier in self.tiers:
             for pool in (tier.pool, tier.overflow_pool):
                 if pool is not None and pool not in pools:
-                    raise ValueError(f"tier {tier.name!r} names pool {pool!r}; pools: {sorted(pools)}")
+                    raise ValueError(
+                        f"tier {tier.name!r} names pool {pool!r}; pools: {sorted(pools)}"
+                    )
         defaults = [self.default_tier, self.gateway.anonymous.default_tier]
         defaults += [k.default_tier for k in self.gateway.api_keys]
         for name in defaults:

@@ -1,1 +1,1 @@
-"""Ray Serve deployments: the OpenAI ingress and the engine pools (thin glue over engine/ and policies/)."""
+"""Ray Serve deployments: the OpenAI ingress and the engine pools, thin glue over engine/."""

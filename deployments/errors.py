@@ -42,7 +42,9 @@ def too_many_requests(message: str, retry_after_s: float) -> ApiError:
     return ApiError(429, message, type_="rate_limit_exceeded", retry_after_s=retry_after_s)
 
 
-def context_length_exceeded(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> ApiError:
+def context_length_exceeded(
+    num_prompt_tokens: int, max_tokens: int, max_model_len: int
+) -> ApiError:
     """OpenAI's wording, so clients that parse the numbers out of it keep working."""
     message = (
         f"This model's maximum context length is {max_model_len} tokens. However, you requested "

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from app import schemas as s
 from deployments.errors import bad_request
-from deployments.streaming import ChoiceProgress
+from deployments.streaming import ChoiceProgress, usage
 from engine.sampling_params import SamplingParams
 
 
@@ -44,17 +44,6 @@ def sampling_params(body: s.SamplingFields, max_tokens: int) -> SamplingParams:
         )
     except ValueError as error:
         raise bad_request(str(error)) from None
-
-
-def usage(choices: list[ChoiceProgress]) -> s.Usage:
-    """Token counts of a request; a prompt sampled n times is counted once, as OpenAI does."""
-    prompt_tokens = sum({c.prompt_index: c.num_prompt_tokens for c in choices}.values())
-    completion_tokens = sum(c.num_output_tokens for c in choices)
-    return s.Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-    )
 
 
 @dataclass(frozen=True)
@@ -161,5 +150,9 @@ class CompletionEndpoint(Endpoint):
 
     def _body(self, choices: list[s.CompletionChoice], usage: s.Usage | None = None) -> BaseModel:
         return s.CompletionResponse(
-            id=self.response_id, created=self.created, model=self.model, choices=choices, usage=usage
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
         )

@@ -26,7 +26,11 @@ class Engine(Protocol):
     max_model_len: int
 
     def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]: ...
 
     def abort(self, request_id: str) -> None: ...
@@ -101,7 +105,7 @@ class Pool:
         return self._load()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """Custom autoscaling metrics: scale on engine queue and KV pressure, not only ongoing requests."""
+        """Custom autoscaling metrics: engine queue and KV pressure, beyond ongoing requests."""
         return self._load()
 
     def _load(self) -> dict[str, float]:

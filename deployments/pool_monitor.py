@@ -34,7 +34,9 @@ class _Seen:
 
 
 class PoolMonitor:
-    def __init__(self, pools: dict[str, PoolConfig], handles: dict[str, Any], poll_interval_s: float):
+    def __init__(
+        self, pools: dict[str, PoolConfig], handles: dict[str, Any], poll_interval_s: float
+    ):
         self._pools = pools
         self._handles = handles
         self._poll_interval_s = poll_interval_s
@@ -72,10 +74,13 @@ class PoolMonitor:
     async def poll_forever(self) -> None:
         """Refresh replica stats every period; runs for the life of the ingress."""
         while True:
-            await asyncio.gather(*(self._poll(name) for name in self._pools))
+            await self.poll_once()
             for name in self._pools:
                 self.replica_seconds[name] += len(self.replica_stats(name)) * self._poll_interval_s
             await asyncio.sleep(self._poll_interval_s)
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(name) for name in self._pools))
 
     async def _poll(self, pool: str) -> None:
         # Serve routes each call to some replica; asking as often as there can be

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from app.schemas import Usage
 from engine.outputs import RequestOutput
 
 T = TypeVar("T")
@@ -55,6 +56,17 @@ class ChoiceProgress:
         if self.num_output_tokens < 2 or self.first_token_s is None or self.last_token_s is None:
             return None
         return (self.last_token_s - self.first_token_s) / (self.num_output_tokens - 1)
+
+
+def usage(choices: list[ChoiceProgress]) -> Usage:
+    """Token counts of a request; a prompt sampled n times is counted once, as OpenAI does."""
+    prompt_tokens = sum({c.prompt_index: c.num_prompt_tokens for c in choices}.values())
+    completion_tokens = sum(c.num_output_tokens for c in choices)
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
 
 
 _DONE = object()

@@ -4,9 +4,10 @@ Each step's tokens are packed into one [T] row, sequence after sequence; every
 sequence brings `q_len` new tokens and attends to `kv_len` cached positions
 (its old context plus the new tokens). The KV cache is one flat array of
 slots per layer; a slot is `block_id * block_size + offset`. Attention gathers
-each sequence's slots into a padded [B, max_kv] batch and runs one SDPA call,
-so a step costs one kernel per layer whatever mix of prefills and decodes it
-holds.
+each sequence's blocks (whole blocks: one `index_select` of contiguous rows is
+several times faster than gathering slot by slot) into a padded batch and runs
+one SDPA call, so a step costs one kernel per layer whatever mix of prefills
+and decodes it holds.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] absolute position of each packed token
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
     query_index: torch.Tensor  # [B, max_q] packed-token index of each padded query
-    kv_slots: torch.Tensor  # [B, max_kv] cache slot of each context position
-    mask: torch.Tensor  # [B, 1, max_q, max_kv] True where a query may attend
+    block_index: torch.Tensor  # [B * max_blocks] each sequence's block ids, 0-padded
+    mask: torch.Tensor  # [B, 1, max_q, max_blocks * block_size] True where a query may attend
     unpad_index: torch.Tensor  # [T] row of the flattened [B * max_q] output per token
 
     @classmethod
@@ -44,34 +45,33 @@ class AttentionMetadata:
         q_valid = q_offsets[None, :] < q_len_t[:, None]  # [B, max_q]
         query_index = torch.where(q_valid, starts[:, None] + q_offsets, 0)
         query_pos = (kv_len_t - q_len_t)[:, None] + q_offsets  # [B, max_q]
-        positions = query_pos[q_valid]
 
-        kv_slots = _context_slots(block_tables, block_size, max_kv)
-        kv_pos = torch.arange(max_kv)
+        max_blocks = -(-max_kv // block_size)
+        blocks = _pad_tables(block_tables, max_blocks)  # [B, max_blocks]
+        kv_pos = torch.arange(max_blocks * block_size)
         mask = (kv_pos[None, None, :] <= query_pos[:, :, None]) & (
             kv_pos[None, None, :] < kv_len_t[:, None, None]
         )
         # Padded query rows would see nothing and give NaN; let them see slot 0.
         mask[:, :, 0] |= ~q_valid
         batch_rows = torch.arange(len(q_lens))[:, None] * max_q + q_offsets
-        slot_mapping = kv_slots.gather(1, query_pos.clamp(max=max_kv - 1))[q_valid]
+        pos = query_pos[q_valid]
+        block_of_query = blocks[torch.arange(len(q_lens)).repeat_interleave(q_len_t), pos // block_size]
+        slot_mapping = block_of_query * block_size + pos % block_size
         return cls(
-            positions=positions.to(device),
+            positions=pos.to(device),
             slot_mapping=slot_mapping.to(device),
             query_index=query_index.to(device),
-            kv_slots=kv_slots.to(device),
+            block_index=blocks.flatten().to(device),
             mask=mask.unsqueeze(1).to(device),
             unpad_index=batch_rows[q_valid].to(device),
         )
 
 
-def _context_slots(block_tables: list[list[int]], block_size: int, max_kv: int) -> torch.Tensor:
-    """[B, max_kv] cache slots of positions 0..max_kv-1 for every sequence (0 past the end)."""
-    num_blocks = -(-max_kv // block_size)
-    padded = [table[:num_blocks] + [0] * (num_blocks - len(table[:num_blocks])) for table in block_tables]
-    blocks = torch.tensor(padded, dtype=torch.long)  # [B, num_blocks]
-    slots = blocks[:, :, None] * block_size + torch.arange(block_size)  # [B, num_blocks, bs]
-    return slots.flatten(1)[:, :max_kv]
+def _pad_tables(block_tables: list[list[int]], width: int) -> torch.Tensor:
+    """Block tables cut or 0-padded to `width` (tables may hold lookahead blocks past it)."""
+    rows = [table[:width] + [0] * (width - len(table[:width])) for table in block_tables]
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def paged_attention(
@@ -86,8 +86,17 @@ def paged_attention(
     k_cache[meta.slot_mapping] = k
     v_cache[meta.slot_mapping] = v
     q_b = q[meta.query_index].transpose(1, 2)  # [B, H, max_q, D]
-    k_b = k_cache[meta.kv_slots].transpose(1, 2)  # [B, KVH, max_kv, D]
-    v_b = v_cache[meta.kv_slots].transpose(1, 2)
+    k_b = _gather_blocks(k_cache, meta)  # [B, KVH, max_blocks * block_size, D]
+    v_b = _gather_blocks(v_cache, meta)
     out = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=meta.mask, enable_gqa=True)
     num_heads, head_dim = q.shape[1], q.shape[2]
     return out.transpose(1, 2).reshape(-1, num_heads, head_dim)[meta.unpad_index]
+
+
+def _gather_blocks(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    num_seqs, kv_len = meta.mask.shape[0], meta.mask.shape[-1]
+    num_heads, head_dim = cache.shape[1], cache.shape[2]
+    num_blocks = meta.block_index.shape[0] // num_seqs
+    rows = cache.view(-1, (kv_len // num_blocks) * num_heads * head_dim)  # one row per block
+    gathered = rows.index_select(0, meta.block_index)
+    return gathered.view(num_seqs, kv_len, num_heads, head_dim).transpose(1, 2)

@@ -32,7 +32,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     """One token per row of `logits` [N, V], and its log-probability under the raw model."""
     logprobs = torch.log_softmax(logits, dim=-1)
     token_ids = [_sample_row(logits[i], row) for i, row in enumerate(rows)]
-    chosen = logprobs[torch.arange(len(rows)), torch.tensor(token_ids)]
+    chosen = logprobs[torch.arange(len(rows)), torch.tensor(token_ids, dtype=torch.long)]
     return token_ids, chosen.tolist()
 
 

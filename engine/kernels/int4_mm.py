@@ -23,20 +23,21 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 TILE_N = 64
-PACKED_OP_MAX_ROWS = 8
-"""Rows up to which the packed CPU op beats de-quantize-then-GEMM (measured at this model's shapes)."""
+PACKED_OP_MAX_ROWS = 32
+"""Rows up to which the packed CPU op beats de-quantize-then-GEMM (measured here)."""
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """codes: [N, K] integers in [0, 15] -> uint8 [N, K / 2] in the tile64 layout."""
     n, k = codes.shape
     assert n % TILE_N == 0 and k % 2 == 0, f"int4 packing needs N % 64 == 0 and even K, got {n}x{k}"
-    tiles = codes.to(torch.uint8).view(n // TILE_N, 2, TILE_N // 2, k).transpose(2, 3)  # [B, 2, K, 32]
+    tiles = (
+        codes.to(torch.uint8).view(n // TILE_N, 2, TILE_N // 2, k).transpose(2, 3)
+    )  # [B, 2, K, 32]
     return (tiles[:, 0] | (tiles[:, 1] << 4)).reshape(n, k // 2)
 
 
@@ -52,19 +53,37 @@ def int4_dequantize(
     packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """The dense [N, K] weight the codes stand for."""
-    codes = unpack_int4(packed).to(dtype)
-    n, k = codes.shape
-    scales = scales_and_zeros[..., 0].t().to(dtype).unsqueeze(-1)  # [N, G, 1]
-    zeros = scales_and_zeros[..., 1].t().to(dtype).unsqueeze(-1)
-    grouped = codes.view(n, k // group_size, group_size)  # [N, G, group]
-    return torch.addcmul(zeros - 8 * scales, grouped, scales).reshape(n, k)
+    tiles = _dequantize_tiles(packed, scales_and_zeros, group_size, dtype)  # [B, K, 64]
+    return tiles.transpose(1, 2).reshape(packed.shape[0], -1)
 
 
 def int4_mm_reference(
     x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """x: [M, K] -> [M, N] in x's dtype."""
-    return F.linear(x, int4_dequantize(packed, scales_and_zeros, group_size, x.dtype))
+    """x: [M, K] -> [M, N] in x's dtype.
+
+    Multiplies by the de-quantized tiles as they come ([B, K, 64], a batched
+    matmul) rather than building the dense [N, K] weight: on a CPU every extra
+    elementwise pass over the weight costs as much as the GEMM itself.
+    """
+    tiles = _dequantize_tiles(packed, scales_and_zeros, group_size, x.dtype)
+    out = torch.matmul(x, tiles)  # [B, M, 64]
+    return out.transpose(0, 1).reshape(x.shape[0], packed.shape[0])
+
+
+def _dequantize_tiles(
+    packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """W.T one 64-column tile at a time, [N / 64, K, 64]: the layout's natural order."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    num_tiles, num_groups = n // TILE_N, k // group_size
+    tiles = packed.view(num_tiles, k, TILE_N // 2)  # [B, K, 32]
+    codes = torch.stack([tiles & 0xF, tiles >> 4], dim=2)  # [B, K, 2, 32] == [B, K, 64]
+    codes = codes.view(num_tiles, num_groups, group_size, TILE_N)
+    per_tile = scales_and_zeros.to(dtype).view(num_groups, num_tiles, 1, TILE_N, 2)
+    scales, zeros = per_tile.permute(4, 1, 0, 2, 3).contiguous()  # 2 x [B, G, 1, 64]
+    weights = torch.addcmul(zeros - 8 * scales, codes.to(dtype), scales)
+    return weights.view(num_tiles, k, TILE_N)
 
 
 def int4_mm_cpu(
@@ -93,16 +112,32 @@ def int4_mm_triton(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, 16), n // TILE_N)
     _int4_mm_kernel[grid](
-        x, packed, scales_and_zeros, out, m, n, k,
-        GROUP_SIZE=group_size, BLOCK_M=16, BLOCK_K=32,
+        x,
+        packed,
+        scales_and_zeros,
+        out,
+        m,
+        n,
+        k,
+        GROUP_SIZE=group_size,
+        BLOCK_M=16,
+        BLOCK_K=32,
     )
     return out
 
 
 @triton.jit
 def _int4_mm_kernel(
-    x_ptr, q_ptr, sz_ptr, out_ptr, M, N, K,
-    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    sz_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_M, 64] output tile: the low nibbles feed columns 0-31, the high 32-63.
 
@@ -121,7 +156,9 @@ def _int4_mm_kernel(
         kk = k0 + ks
         x = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=rows[:, None] < M, other=0.0)
         x = x.to(tl.float32)  # [BLOCK_M, BLOCK_K]
-        b = tl.load(q_ptr + tile * K * 32 + kk[:, None] * 32 + j[None, :]).to(tl.int32)  # [BLOCK_K, 32]
+        b = tl.load(q_ptr + tile * K * 32 + kk[:, None] * 32 + j[None, :]).to(
+            tl.int32
+        )  # [BLOCK_K, 32]
         sz = sz_ptr + (k0 // GROUP_SIZE) * N * 2
         s_lo = tl.load(sz + cols_lo * 2).to(tl.float32)
         z_lo = tl.load(sz + cols_lo * 2 + 1).to(tl.float32)

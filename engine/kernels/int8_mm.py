@@ -29,8 +29,11 @@ def int8_mm_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
 
 
 def int8_mm_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The fastest correct CPU path for the row count at hand."""
-    if x.shape[0] <= PACKED_OP_MAX_ROWS:
+    """The fastest correct CPU path for the row count at hand.
+
+    The packed op returns garbage (or crashes) in bf16 unless K % 16 == 0.
+    """
+    if x.shape[0] <= PACKED_OP_MAX_ROWS and x.shape[1] % 16 == 0:
         return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
     return int8_mm_reference(x, qweight, scales)
 
@@ -41,16 +44,22 @@ def int8_mm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor)
     (m, k), n = x.shape, qweight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, 16), triton.cdiv(n, 64))
-    _int8_mm_kernel[grid](
-        x, qweight, scales, out, m, n, k, BLOCK_M=16, BLOCK_N=64, BLOCK_K=32
-    )
+    _int8_mm_kernel[grid](x, qweight, scales, out, m, n, k, BLOCK_M=16, BLOCK_N=64, BLOCK_K=32)
     return out
 
 
 @triton.jit
 def _int8_mm_kernel(
-    x_ptr, q_ptr, s_ptr, out_ptr, M, N, K,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile; int8 tiles are widened in registers.
 
@@ -71,4 +80,6 @@ def _int8_mm_kernel(
     scales = tl.load(s_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     out = acc * scales[None, :]
     out_mask = (rows[:, None] < M) & (cols[None, :] < N)
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(
+        out_ptr + rows[:, None] * N + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask
+    )

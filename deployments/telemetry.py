@@ -1,0 +1,192 @@
+"""Prometheus metrics (under vLLM's names, so existing dashboards and autoscalers read them)
+and one log line per request.
+
+Request metrics are labelled by pool and tier; engine metrics come from the
+pools' polled stats and are labelled by pool (an engine batch mixes tiers).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from app.config import PoolConfig
+from deployments.pool_monitor import PoolMonitor
+from deployments.streaming import ChoiceProgress, usage
+from engine.outputs import EngineStats
+from policies.tiers import Tier, meets_slo
+
+request_log = logging.getLogger("tierserve.requests")
+
+_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 25.6, 60.0)
+_TOKEN_BUCKETS_S = (0.005, 0.01, 0.02, 0.025, 0.04, 0.06, 0.08, 0.1, 0.2, 0.4, 0.8, 1.6)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished (or failed) request, as telemetry sees it."""
+
+    request_id: str
+    key_name: str
+    tier: Tier
+    pool: str
+    status: str
+    """`ok`, `aborted` (client left) or `error`."""
+    choices: list[ChoiceProgress]
+    end_s: float
+    prompt_text: str | None = None
+    """Only when config.log_prompts is on."""
+
+
+class Telemetry:
+    def __init__(self, model_name: str, pools: dict[str, PoolConfig], monitor: PoolMonitor) -> None:
+        self.registry = CollectorRegistry()
+        self._model_name = model_name
+        labels = ["model_name", "pool", "tier"]
+        r = self.registry
+        self._ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", labels,
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self._itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between output tokens.", labels,
+            buckets=_TOKEN_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self._e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Request latency, arrival to last token.", labels,
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self._prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens.", labels, registry=r)
+        self._generation_tokens = Counter(
+            "vllm:generation_tokens", "Generated tokens.", labels, registry=r
+        )
+        self._requests = Counter(
+            "tierserve:requests", "Finished requests by status.", [*labels, "status"], registry=r
+        )
+        self._slo_checked = Counter(
+            "tierserve:slo_checked", "Completed requests checked against their tier's SLO.",
+            labels, registry=r,
+        )  # fmt: skip
+        self._slo_met = Counter(
+            "tierserve:slo_met", "Completed requests that met their tier's TTFT and TPOT.",
+            labels, registry=r,
+        )  # fmt: skip
+        self._output_tokens_by_pool = dict.fromkeys(pools, 0)
+        r.register(_EngineCollector(model_name, pools, monitor, self._output_tokens_by_pool))
+
+    def observe(self, record: RequestRecord) -> None:
+        labels = (self._model_name, record.pool, record.tier.name)
+        self._requests.labels(*labels, record.status).inc()
+        for choice in record.choices:
+            self._observe_choice(labels, record, choice)
+        request_log.info(json.dumps(_log_fields(record)))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def _observe_choice(
+        self, labels: tuple[str, str, str], record: RequestRecord, choice: ChoiceProgress
+    ) -> None:
+        self._prompt_tokens.labels(*labels).inc(choice.num_prompt_tokens)
+        self._generation_tokens.labels(*labels).inc(choice.num_output_tokens)
+        self._output_tokens_by_pool[record.pool] += choice.num_output_tokens
+        for gap_s in choice.inter_token_s:
+            self._itl.labels(*labels).observe(gap_s)
+        ttft_s = choice.ttft_s
+        if ttft_s is None:
+            return
+        self._ttft.labels(*labels).observe(ttft_s)
+        self._e2e.labels(*labels).observe(record.end_s - choice.start_s)
+        if record.status == "ok":
+            self._slo_checked.labels(*labels).inc()
+            if meets_slo(record.tier, ttft_s, choice.tpot_s):
+                self._slo_met.labels(*labels).inc()
+
+
+def _log_fields(record: RequestRecord) -> dict[str, object]:
+    first = record.choices[0] if record.choices else None
+    fields: dict[str, object] = {
+        "request_id": record.request_id,
+        "key": record.key_name,
+        "tier": record.tier.name,
+        "pool": record.pool,
+        "status": record.status,
+        "prompt_tokens": usage(record.choices).prompt_tokens,
+        "output_tokens": usage(record.choices).completion_tokens,
+        "ttft_ms": _ms(first.ttft_s if first else None),
+        "latency_ms": _ms(record.end_s - first.start_s if first else None),
+    }
+    if record.prompt_text is not None:
+        fields["prompt"] = record.prompt_text
+    return fields
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+# (family, name, help, value over the live replicas' stats)
+_ENGINE_METRICS: tuple[tuple[type, str, str, Callable[[list[EngineStats]], float]], ...] = (
+    (GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch.",
+     lambda stats: sum(s.num_running for s in stats)),
+    (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting in the engine.",
+     lambda stats: sum(s.num_waiting for s in stats)),
+    (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1, mean of replicas.",
+     lambda stats: _mean([s.kv_cache_usage for s in stats])),
+    (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the cache.",
+     lambda stats: sum(s.prefix_cache_queries for s in stats)),
+    (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+     lambda stats: sum(s.prefix_cache_hits for s in stats)),
+    (CounterMetricFamily, "vllm:num_preemptions", "Requests preempted.",
+     lambda stats: sum(s.num_preemptions for s in stats)),
+)  # fmt: skip
+
+
+class _EngineCollector(Collector):
+    """Engine gauges and counters, read from the monitor's latest replica stats at scrape time."""
+
+    def __init__(
+        self,
+        model_name: str,
+        pools: dict[str, PoolConfig],
+        monitor: PoolMonitor,
+        output_tokens_by_pool: dict[str, int],
+    ) -> None:
+        self._model_name = model_name
+        self._pools = pools
+        self._monitor = monitor
+        self._output_tokens_by_pool = output_tokens_by_pool
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name", "pool"]
+        for family_cls, name, help_text, value in _ENGINE_METRICS:
+            family = family_cls(name, help_text, labels=labels)
+            for pool in self._pools:
+                family.add_metric(
+                    [self._model_name, pool], value(self._monitor.replica_stats(pool))
+                )
+            yield family
+        cost = GaugeMetricFamily(
+            "tierserve:cost_per_1k_output_tokens", "Replica cost per 1k output tokens so far.",
+            labels=labels,
+        )  # fmt: skip
+        for pool in self._pools:
+            cost.add_metric([self._model_name, pool], self._cost_per_1k(pool))
+        yield cost
+
+    def _cost_per_1k(self, pool: str) -> float:
+        output_tokens = self._output_tokens_by_pool[pool]
+        if not output_tokens:
+            return 0.0
+        replica_hours = self._monitor.replica_seconds[pool] / 3600
+        return self._pools[pool].price_per_replica_hour * replica_hours / (output_tokens / 1000)

@@ -1,0 +1,30 @@
+"""How every benchmark reports: one JSON object per metric on stdout, logs on stderr."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from functools import cache
+from typing import Any
+
+
+@cache
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def emit(bench: str, metric: str, value: float, unit: str, **extra: Any) -> None:
+    record = {"bench": bench, "metric": metric, "value": round(float(value), 4), "unit": unit}
+    record.update(extra, commit=git_commit())
+    print(json.dumps(record), flush=True)
+    log(f"{metric:<40} {value:>12.3f} {unit}")
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

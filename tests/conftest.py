@@ -1,0 +1,52 @@
+"""Shared fixtures: fp32 engines on the default model, each configuration loaded once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from engine.config import EngineConfig, default_cache_dir
+from engine.engine import LLMEngine
+from engine.loader import load_tokenizer
+from transformers import PreTrainedTokenizerBase
+
+# Two shared cores: extra torch threads only contend with each other (ENVIRONMENT.md).
+torch.set_num_threads(1)
+
+TEST_ENGINE_CONFIG = dict(
+    model="default",
+    dtype="float32",
+    num_kv_blocks=64,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+)
+"""Small and exact: fp32 for parity, a 1,024-token KV pool (47 MB) instead of 1 GB."""
+
+
+@pytest.fixture(scope="session")
+def make_engine() -> Callable[..., LLMEngine]:
+    """`make_engine(**overrides)`: an idle fp32 engine, built once per distinct config."""
+    engines: dict[EngineConfig, LLMEngine] = {}
+
+    def make(**overrides) -> LLMEngine:
+        config = EngineConfig(**{**TEST_ENGINE_CONFIG, **overrides})
+        if config not in engines:
+            engines[config] = LLMEngine(config)
+        engine = engines[config]
+        for request_id in list(engine.requests):  # left behind by a failed test
+            engine.abort_request(request_id)
+        return engine
+
+    return make
+
+
+@pytest.fixture
+def engine(make_engine) -> LLMEngine:
+    return make_engine()
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerBase:
+    return load_tokenizer("default", default_cache_dir())

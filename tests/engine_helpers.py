@@ -1,0 +1,122 @@
+"""Helpers shared by the engine tests: drive an engine to the end, check the KV books."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.engine import LLMEngine
+from engine.kv_cache import KVCacheManager
+from engine.outputs import RequestOutput
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+MAX_STEPS = 2_000
+"""Far more than any test needs: hitting it means a deadlock or a livelock."""
+
+
+@dataclass
+class Completion:
+    """A request's deltas joined back together."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        assert self.finish_reason is None, f"{out.request_id} produced output after finishing"
+        self.token_ids += out.new_token_ids
+        self.text += out.new_text
+        self.logprobs += out.new_logprobs or []
+        self.finish_reason = out.finish_reason
+        self.num_cached_tokens = out.num_cached_tokens
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
+
+
+def chat_prompt(tokenizer, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    encoded = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    return list(encoded["input_ids"])
+
+
+def drain(engine: LLMEngine) -> dict[str, Completion]:
+    """Step until every request has finished; return what each produced."""
+    completions: dict[str, Completion] = {}
+    for _ in range(MAX_STEPS):
+        if not engine.has_unfinished():
+            assert_all_blocks_free(engine.kv)
+            return completions
+        for out in engine.step():
+            completions.setdefault(out.request_id, Completion()).add(out)
+    raise AssertionError(f"requests still unfinished after {MAX_STEPS} steps")
+
+
+def run_requests(
+    engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
+) -> dict[str, Completion]:
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    return drain(engine)
+
+
+def run_one(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> Completion:
+    return run_requests(engine, {"only": (prompt, params)})["only"]
+
+
+def assert_books_balance(kv: KVCacheManager, live: list[Request]) -> None:
+    """Every block's ref count is the number of live requests holding it; the rest are free."""
+    holders = [0] * kv.pool.num_blocks
+    for request in live:
+        assert len(set(request.block_ids)) == len(request.block_ids), "block listed twice"
+        for block_id in request.block_ids:
+            holders[block_id] += 1
+    assert [block.ref_count for block in kv.pool.blocks] == holders
+    assert kv.pool.num_free_blocks == holders.count(0)
+
+
+def assert_all_blocks_free(kv: KVCacheManager) -> None:
+    assert_books_balance(kv, [])
+    assert kv.usage == 0.0
+
+
+def slot_of(request: Request, position: int, block_size: int) -> int:
+    """The KV slot holding `position` of `request` (raises if no block covers it)."""
+    return request.block_ids[position // block_size] * block_size + position % block_size
+
+
+def write_slots(
+    slot_tokens: dict[int, int], request: Request, start: int, end: int, block_size: int
+) -> None:
+    """Fake forward pass: 'compute' positions [start, end) by recording their token per slot."""
+    for position in range(start, end):
+        slot_tokens[slot_of(request, position, block_size)] = request.token_ids[position]
+
+
+def assert_slots_hold_tokens(
+    slot_tokens: dict[int, int], request: Request, block_size: int
+) -> None:
+    """Every computed position's slot holds that very token: sharing and eviction were right."""
+    for position in range(request.num_computed_tokens):
+        slot = slot_of(request, position, block_size)
+        assert slot_tokens.get(slot) == request.token_ids[position], (
+            f"{request.request_id}: slot {slot} of position {position} holds another token"
+        )
+
+
+def forget_fresh_blocks(kv: KVCacheManager, slot_tokens: dict[int, int]) -> None:
+    """Spy on the pool: a block it hands out fresh holds garbage until computed again."""
+    allocate, size = kv.pool.allocate, kv.block_size
+
+    def allocate_fresh():
+        block = allocate()
+        for slot in range(block.block_id * size, (block.block_id + 1) * size):
+            slot_tokens.pop(slot, None)
+        return block
+
+    kv.pool.allocate = allocate_fresh  # type: ignore[method-assign]
