@@ -41,6 +41,8 @@ def _pool_options(pool: PoolConfig) -> dict[str, object]:
     return {
         "name": f"pool-{pool.name}",
         "ray_actor_options": {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus},
+        # The ingress writes one log line per request; per-call lines would mostly be stats polls.
+        "logging_config": {"enable_access_log": False},
         # Admit the whole running batch plus the allowed queue, so waiting requests
         # sit in the engine's priority queue rather than Serve's FIFO one, and keep
         # slots free so stats polls never wait behind generation.

@@ -270,7 +270,6 @@ class Ingress:
     def _headers(self, job: Job) -> dict[str, str]:
         """Every response names where it went."""
         return {
-            "x-request-id": job.request_id,
             "x-tierserve-tier": job.tier.name,
             "x-tierserve-pool": job.pool,
             "x-tierserve-model": self._config.pool(job.pool).model_name,

@@ -28,6 +28,7 @@ from engine.request import Request
 from engine.sampler import SampleRow, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode import build_speculator
 
 _RATE_WINDOW_S = 10.0
 
@@ -56,6 +57,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device)
+        self.speculator = build_speculator(config, num_blocks)
         self.requests: dict[str, _Tracked] = {}
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._recent_tokens: deque[tuple[float, int]] = deque()
@@ -116,10 +118,10 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; None if it is not live."""
-        tracked = self.requests.pop(request_id, None)
+        tracked = self.requests.get(request_id)
         if tracked is None:
             return None
-        self.scheduler.finish(tracked.request, "abort")
+        self._finish(tracked, "abort")
         return self._output(tracked, [], [], "", "abort")
 
     def has_unfinished(self) -> bool:
@@ -128,22 +130,35 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         if not scheduled.num_new_tokens:
             return []
         batch = self.runner.prepare(scheduled.num_new_tokens)
         logits = self.runner.execute(batch)
-        rows = [self._sample_row(self.requests[r.request_id]) for r in batch.sampling_requests]
-        token_ids, logprobs = sample(logits, rows)
         for request, num_new in scheduled.num_new_tokens.items():
             request.num_computed_tokens += num_new
-            self.kv.cache_full_blocks(request)
         outputs = [
-            self._append(self.requests[r.request_id], token, logprob)
-            for r, token, logprob in zip(batch.sampling_requests, token_ids, logprobs)
+            self._emit(request, rows)
+            for request, rows in zip(batch.sampling_requests, logits.split(batch.num_logits_rows))
         ]
-        self._count_generated(len(outputs))
+        for request in scheduled.num_new_tokens:
+            if not request.is_finished:
+                self.kv.cache_full_blocks(request)
+        self._count_generated(sum(len(o.new_token_ids) for o in outputs))
         return outputs
+
+    def _emit(self, request: Request, logits: torch.Tensor) -> RequestOutput:
+        """Sample (or verify drafts) from this request's logits rows and append the result."""
+        tracked = self.requests[request.request_id]
+        row = self._sample_row(tracked)
+        if request.spec_token_ids:
+            assert self.speculator is not None
+            token_ids, logprobs = self.speculator.verify(request, logits, row)
+        else:
+            token_ids, logprobs = sample(logits, [row])
+        return self._append(tracked, token_ids, logprobs)
 
     def _sample_row(self, tracked: _Tracked) -> SampleRow:
         request, params = tracked.request, tracked.request.params
@@ -157,20 +172,39 @@ class LLMEngine:
             ),
         )
 
-    def _append(self, tracked: _Tracked, token_id: int, logprob: float) -> RequestOutput:
+    def _append(
+        self, tracked: _Tracked, token_ids: list[int], logprobs: list[float]
+    ) -> RequestOutput:
+        """Append tokens up to the first stop, roll back draft lookahead, emit the text."""
         request = tracked.request
-        request.append_output_token(token_id)
-        reason = self._token_stop_reason(request, token_id)
-        is_stop_token = reason == "stop"
-        text = "" if is_stop_token else tracked.detokenizer.push([token_id])
+        reason, kept = None, []
+        for token_id in token_ids:
+            request.append_output_token(token_id)
+            kept.append(token_id)
+            reason = self._token_stop_reason(request, token_id)
+            if reason is not None:
+                break
+        self._roll_back_lookahead(request)
+        text_ids = kept[:-1] if reason == "stop" else kept  # a stop token has no text
+        text = tracked.detokenizer.push(text_ids)
         text, hit_stop_string = tracked.stop_filter.push(text, final=reason is not None)
         if hit_stop_string:
             reason = "stop"
         if reason is not None:
-            self.requests.pop(request.request_id)
-            self.scheduler.finish(request, reason)
-        logprobs = [logprob] if request.params.logprobs else []
-        return self._output(tracked, [token_id], logprobs, text, reason)
+            self._finish(tracked, reason)
+        return self._output(tracked, kept, logprobs[: len(kept)], text, reason)
+
+    def _roll_back_lookahead(self, request: Request) -> None:
+        """Only tokens before the newest one have valid K/V: drop rejected drafts' slots."""
+        request.spec_token_ids = []
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        self.kv.trim(request, request.num_computed_tokens)
+
+    def _finish(self, tracked: _Tracked, reason: str) -> None:
+        self.requests.pop(tracked.request.request_id)
+        self.scheduler.finish(tracked.request, reason)
+        if self.speculator is not None:
+            self.speculator.release(tracked.request)
 
     def _token_stop_reason(self, request: Request, token_id: int) -> str | None:
         params = request.params
@@ -226,6 +260,18 @@ class LLMEngine:
             generation_tokens_per_s=rate,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            **self._spec_stats(),
+        )
+
+    def _spec_stats(self) -> dict:
+        spec = self.speculator
+        if spec is None:
+            return {}
+        return dict(
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=list(spec.accepted_per_pos),
         )
 
 

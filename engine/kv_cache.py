@@ -139,6 +139,13 @@ class KVCacheManager:
             self.pool.register(self.pool.blocks[request.block_ids[i]], request.block_hashes[i])
         self._num_registered[request.request_id] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Release blocks past those `num_tokens` tokens need: rejected draft lookahead."""
+        num_keep = -(-num_tokens // self.block_size)
+        for block_id in reversed(request.block_ids[num_keep:]):
+            self.pool.release(self.pool.blocks[block_id])
+        del request.block_ids[num_keep:]
+
     def free(self, request: Request) -> None:
         """Release every block of `request`, tail first so tails are evicted first."""
         for block_id in reversed(request.block_ids):

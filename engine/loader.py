@@ -9,6 +9,7 @@ the same path.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -90,11 +91,18 @@ def load_tokenizer(model: str, cache_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(resolve_model_dir(model, cache_dir))
 
 
-def load_model(config: EngineConfig) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
-    """Build our model from an HF Llama-family folder and load its safetensors."""
+def load_model(
+    config: EngineConfig, num_layers: int | None = None
+) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
+    """Build our model from an HF Llama-family folder and load its safetensors.
+
+    `num_layers` keeps only the first layers: a cheap layer-truncated draft model.
+    """
     model_dir = resolve_model_dir(config.model, config.cache_dir)
     hf_config = json.loads((model_dir / "config.json").read_text())
     args = ModelArgs.from_hf_config(hf_config)
+    if num_layers is not None:
+        args = dataclasses.replace(args, num_layers=min(num_layers, args.num_layers))
     with torch.device("meta"):
         model = LlamaForCausalLM(args)
     model.load_hf_state_dict(_read_safetensors(model_dir))

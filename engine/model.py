@@ -228,7 +228,9 @@ class LlamaForCausalLM(nn.Module):
 
     def load_hf_state_dict(self, hf_state: dict[str, torch.Tensor]) -> None:
         """Load HF Llama tensor names, fusing q/k/v and gate/up as this model expects."""
-        state = {_strip(name): t for name, t in hf_state.items() if "rotary_emb" not in name}
+        state = {
+            _strip(name): t for name, t in hf_state.items() if self._wants(_strip(name))
+        }
         for i in range(self.args.num_layers):
             prefix = f"layers.{i}."
             _fuse(state, prefix + "self_attn.qkv_proj", [prefix + f"self_attn.{p}_proj" for p in "qkv"])
@@ -242,6 +244,13 @@ class LlamaForCausalLM(nn.Module):
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(self.args, self.args.max_position_embeddings)
+
+
+    def _wants(self, name: str) -> bool:
+        """Skip rotary buffers and layers past `num_layers` (a truncated draft)."""
+        if "rotary_emb" in name:
+            return False
+        return not name.startswith("layers.") or int(name.split(".")[1]) < self.args.num_layers
 
 
 def _strip(name: str) -> str:

@@ -24,7 +24,9 @@ class StepBatch:
     meta: AttentionMetadata
     logits_index: torch.Tensor  # [N] packed rows whose logits are needed
     sampling_requests: list[Request]
-    """Requests that produce tokens this step, one logits row each, in order."""
+    """Requests that produce tokens this step, in order."""
+    num_logits_rows: list[int]
+    """Logits rows of each sampling request: 1, plus one per draft token it verifies."""
 
 
 class ModelRunner:
@@ -52,7 +54,7 @@ class ModelRunner:
 
     def prepare(self, num_new_tokens: dict[Request, int]) -> StepBatch:
         input_ids: list[int] = []
-        q_lens, kv_lens, tables, logits_rows = [], [], [], []
+        q_lens, kv_lens, tables, logits_rows, num_rows = [], [], [], [], []
         sampling: list[Request] = []
         for request, num_new in num_new_tokens.items():
             start = request.num_computed_tokens
@@ -60,20 +62,24 @@ class ModelRunner:
             q_lens.append(num_new)
             kv_lens.append(start + num_new)
             tables.append(request.block_ids)
-            if start + num_new >= request.num_tokens:
+            end = start + num_new
+            if end >= request.num_tokens:  # caught up: the last real token and any drafts
+                rows = end - request.num_tokens + 1
                 sampling.append(request)
-                logits_rows.append(len(input_ids) - 1)
+                num_rows.append(rows)
+                logits_rows.extend(range(len(input_ids) - rows, len(input_ids)))
         meta = AttentionMetadata.build(q_lens, kv_lens, tables, self.block_size, self.device)
         return StepBatch(
             input_ids=torch.tensor(input_ids, device=self.device),
             meta=meta,
             logits_index=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
             sampling_requests=sampling,
+            num_logits_rows=num_rows,
         )
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
-        """fp32 logits [N, vocab], one row per sampling request."""
+        """fp32 logits [sum(num_logits_rows), vocab]."""
         hidden = self.model(batch.input_ids, batch.meta)
         return self.model.compute_logits(hidden[batch.logits_index])
 

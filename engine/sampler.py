@@ -84,3 +84,51 @@ def mask_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Te
         drop |= mass_before >= top_p  # the top token always survives: mass_before is 0
     unsorted_drop = torch.empty_like(drop).scatter_(0, order, drop)
     return logits.masked_fill(unsorted_drop, float("-inf"))
+
+
+def verify(
+    logits: torch.Tensor,  # [k + 1, V] target logits at the last real token and each draft
+    row: SampleRow,
+    draft_token_ids: list[int],
+    draft_probs: torch.Tensor | None,  # [k, V], None for a deterministic (one-hot) draft
+) -> tuple[list[int], list[float]]:
+    """Speculative verification: accepted drafts, then one correction or bonus token.
+
+    Greedy: a draft survives while it equals the target's argmax. Sampling uses
+    the modified rejection rule, which leaves the output distributed exactly as
+    the target's p: accept draft x with probability min(1, p(x) / q(x)); on
+    rejection draw from the residual max(0, p - q) / Z. A one-hot q (prompt
+    lookup) makes that: accept x with probability p(x), else draw from p with x
+    removed. When every draft survives, the last row gives a bonus token.
+    """
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens: list[int] = []
+    for i, draft in enumerate(draft_token_ids):
+        token, accepted = _verify_one(logits[i], row, draft, None if draft_probs is None else draft_probs[i])
+        tokens.append(token)
+        if not accepted:
+            break
+    else:
+        tokens.append(_sample_row(logits[len(draft_token_ids)], row))
+    return tokens, [float(logprobs[i, t]) for i, t in enumerate(tokens)]
+
+
+def _verify_one(
+    logits: torch.Tensor, row: SampleRow, draft: int, q: torch.Tensor | None
+) -> tuple[int, bool]:
+    """(token to emit at this position, whether it was the draft)."""
+    if row.params.greedy:
+        target = int(logits.argmax())
+        return target, target == draft
+    p = probs_for(logits, row.params)
+    q_draft = 1.0 if q is None else float(q[draft])
+    u = float(torch.rand((), generator=row.generator))
+    if u * q_draft < float(p[draft]):  # u < p(x) / q(x), without dividing by zero
+        return draft, True
+    if q is None:
+        q = torch.zeros_like(p)
+        q[draft] = 1.0
+    residual = (p - q).clamp_min(0)
+    if float(residual.sum()) <= 0:  # p == q: the rejection had probability 0
+        residual = p
+    return int(torch.multinomial(residual, 1, generator=row.generator)), False

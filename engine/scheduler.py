@@ -57,8 +57,8 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
-            if self._reserve(request, num_new, out):
+            num_new = self._reserve(request, budget, out)
+            if num_new:
                 out.num_new_tokens[request] = num_new
                 budget -= num_new
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
@@ -87,20 +87,29 @@ class Scheduler:
         ):
             self._preempt(self._least_urgent(), out)
 
-    def _reserve(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Blocks for `num_new` more tokens, preempting the least urgent until they fit.
+    def _reserve(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        """Blocks for the tokens `request` lacks (cut to `budget`); returns how many (0: none).
 
-        Requests are visited most urgent first, so every victim is either this
-        request or one not yet scheduled this step.
+        Draft tokens are the first thing given up: those past the budget are
+        dropped, and all of them before anyone is preempted for room. Then the
+        least urgent request is preempted until the rest fits. Requests are
+        visited most urgent first, so every victim is either this request or
+        one not yet scheduled this step.
         """
-        num_tokens = request.num_computed_tokens + num_new
-        while not self.kv.can_allocate(request, num_tokens, []):
+        num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
+        num_spec_fitting = request.num_computed_tokens + num_new - request.num_tokens
+        del request.spec_token_ids[max(num_spec_fitting, 0) :]
+        while not self.kv.can_allocate(request, request.num_computed_tokens + num_new, []):
+            if request.spec_token_ids:
+                num_new -= len(request.spec_token_ids)
+                request.spec_token_ids.clear()
+                continue
             victim = self._least_urgent()
             self._preempt(victim, out)
             if victim is request:
-                return False
-        self.kv.allocate(request, num_tokens, [])
-        return True
+                return 0
+        self.kv.allocate(request, request.num_computed_tokens + num_new, [])
+        return num_new
 
     def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int:
         """Move the head of the queue into the batch; return the tokens it was given (0: none)."""

@@ -85,28 +85,30 @@ def assert_all_blocks_free(kv: KVCacheManager) -> None:
     assert kv.usage == 0.0
 
 
-def slot_of(request: Request, position: int, block_size: int) -> int:
-    """The KV slot holding `position` of `request` (raises if no block covers it)."""
-    return request.block_ids[position // block_size] * block_size + position % block_size
-
-
 def write_slots(
     slot_tokens: dict[int, int], request: Request, start: int, end: int, block_size: int
 ) -> None:
     """Fake forward pass: 'compute' positions [start, end) by recording their token per slot."""
     for position in range(start, end):
-        slot_tokens[slot_of(request, position, block_size)] = request.token_ids[position]
+        block_id = request.block_ids[position // block_size]  # IndexError: no slot reserved
+        slot_tokens[block_id * block_size + position % block_size] = request.token_ids[position]
+
+
+def assert_blocks_hold(
+    slot_tokens: dict[int, int], block_ids: list[int], token_ids: list[int], block_size: int
+) -> None:
+    """The slots of `block_ids`, in order, hold `token_ids`: what a prefix hit promises."""
+    for position, token in enumerate(token_ids):
+        slot = block_ids[position // block_size] * block_size + position % block_size
+        assert slot_tokens.get(slot) == token, f"slot {slot} of position {position} is stale"
 
 
 def assert_slots_hold_tokens(
     slot_tokens: dict[int, int], request: Request, block_size: int
 ) -> None:
     """Every computed position's slot holds that very token: sharing and eviction were right."""
-    for position in range(request.num_computed_tokens):
-        slot = slot_of(request, position, block_size)
-        assert slot_tokens.get(slot) == request.token_ids[position], (
-            f"{request.request_id}: slot {slot} of position {position} holds another token"
-        )
+    computed = request.token_ids[: request.num_computed_tokens]
+    assert_blocks_hold(slot_tokens, request.block_ids, computed, block_size)
 
 
 def forget_fresh_blocks(kv: KVCacheManager, slot_tokens: dict[int, int]) -> None:

@@ -7,6 +7,7 @@ import itertools
 import pytest
 from engine_helpers import (
     assert_all_blocks_free,
+    assert_blocks_hold,
     assert_books_balance,
     assert_slots_hold_tokens,
     forget_fresh_blocks,
@@ -85,7 +86,7 @@ def test_pool_freed_named_block_stays_findable_until_evicted():
 
 
 def test_allocate_rounds_up_to_whole_blocks():
-    kv = KVCacheManager(8, BLOCK_SIZE, enable_prefix_caching=True)
+    kv = KVCacheManager(6, BLOCK_SIZE, enable_prefix_caching=True)
     request = make_request("a", list(range(9)))
     kv.allocate(request, 9, [])
     assert len(request.block_ids) == 3
@@ -161,8 +162,9 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(8, BLOCK_SIZE, enable_prefix_caching=True)
+        self.kv = KVCacheManager(6, BLOCK_SIZE, enable_prefix_caching=True)
         self.live: dict[str, Request] = {}
+        self.departed: list[list[int]] = []
         self.slot_tokens: dict[int, int] = {}
         forget_fresh_blocks(self.kv, self.slot_tokens)
         self.ids = (f"r{i}" for i in itertools.count())
@@ -170,16 +172,25 @@ class KVCacheMachine(RuleBasedStateMachine):
     def admit(self, prompt: list[int]) -> Request | None:
         request = make_request(next(self.ids), prompt)
         cached = self.kv.find_cached_prefix(request)
+        cached_ids = [block.block_id for block in cached]
+        num_cached = len(cached) * BLOCK_SIZE
+        assert_blocks_hold(self.slot_tokens, cached_ids, prompt[:num_cached], BLOCK_SIZE)
         if not self.kv.can_allocate(request, request.num_tokens, cached):
             return None
         self.kv.allocate(request, request.num_tokens, cached)
-        request.num_computed_tokens = len(cached) * BLOCK_SIZE
+        request.num_computed_tokens = num_cached
         self.live[request.request_id] = request
         return request
 
     @rule(prompt=token_lists)
     def arrive(self, prompt: list[int]) -> None:
         self.admit(prompt)
+
+    @precondition(lambda self: self.departed)
+    @rule(data=st.data())
+    def arrive_again(self, data: st.DataObject) -> None:
+        """The same conversation comes back: its blocks may be cached, or evicted since."""
+        self.admit(data.draw(st.sampled_from(self.departed)))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -195,7 +206,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert copy.block_ids[:expected_hits] == source.block_ids[:expected_hits]
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data(), chunk=st.integers(1, 6))
+    @rule(data=st.data(), chunk=st.integers(1, 8))
     def compute(self, data: st.DataObject, chunk: int) -> None:
         request = self.pick(data)
         start = request.num_computed_tokens
@@ -216,7 +227,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def leave(self, data: st.DataObject) -> None:
-        self.kv.free(self.live.pop(self.pick(data).request_id))
+        request = self.live.pop(self.pick(data).request_id)
+        self.kv.free(request)
+        self.departed.append(request.token_ids)
 
     def pick(self, data: st.DataObject) -> Request:
         return data.draw(st.sampled_from(sorted(self.live.values(), key=lambda r: r.request_id)))

@@ -193,21 +193,23 @@ def _metric(base_url: str, name: str, **labels: str) -> float:
     raise KeyError(f"{name} {labels} not in /metrics")
 
 
+def _wait_for_metric(
+    base_url: str, name: str, value: float, timeout_s: float, **labels: str
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _metric(base_url, name, **labels) != value and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(base_url, name, **labels) == value
+
+
 def test_disconnect_aborts_the_request_in_the_engine(base_url: str) -> None:
     max_tokens = 2000  # ten seconds of fake tokens
     body = {"model": MODEL, "prompt": "x", "max_tokens": max_tokens, "stream": True}
     headers = {"Authorization": f"Bearer {KEY}", "X-SLA-Tier": "batch"}
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers) as r:
         next(r.iter_lines())
-        time.sleep(0.3)
-        assert _metric(base_url, "vllm:num_requests_running", pool="offline") == 1
-    deadline = time.monotonic() + max_tokens * TOKEN_DELAY_S / 3
-    while (
-        _metric(base_url, "vllm:num_requests_running", pool="offline")
-        and time.monotonic() < deadline
-    ):
-        time.sleep(0.1)
-    assert _metric(base_url, "vllm:num_requests_running", pool="offline") == 0
+        _wait_for_metric(base_url, "vllm:num_requests_running", 1, timeout_s=3, pool="offline")
+    _wait_for_metric(base_url, "vllm:num_requests_running", 0, timeout_s=3, pool="offline")
     assert _metric(base_url, "vllm:kv_cache_usage_perc", pool="offline") == 0
     assert _metric(base_url, "tierserve:requests_total", tier="batch", status="aborted") >= 1
 

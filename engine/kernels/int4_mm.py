@@ -150,8 +150,8 @@ def _int4_mm_kernel(
     ks = tl.arange(0, BLOCK_K)
     cols_lo = tile * 64 + j
     cols_hi = cols_lo + 32
-    acc_lo = tl.zeros((BLOCK_M, 32), dtype=tl.float32)
-    acc_hi = tl.zeros((BLOCK_M, 32), dtype=tl.float32)
+    acc_lo = tl.full((BLOCK_M, 32), 0.0, dtype=tl.float32)
+    acc_hi = tl.full((BLOCK_M, 32), 0.0, dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
         x = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=rows[:, None] < M, other=0.0)
