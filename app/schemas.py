@@ -34,6 +34,12 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     tier: str | None = None
     """tierserve's SLA tier; the `X-SLA-Tier` header wins over it."""
+    max_tokens: int | None = None
+    """None means the rest of the context, as vLLM does."""
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
 
     @property
     def stop_strings(self) -> list[str]:
@@ -65,7 +71,6 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
     max_completion_tokens: int | None = None
     """OpenAI's newer name for max_tokens; wins when both are given."""
 
@@ -82,10 +87,6 @@ class CompletionRequest(SamplingFields):
     @property
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else self.prompt
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
 
 
 class Usage(BaseModel):

@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,8 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer
     stop_filter: StopStringFilter
     generator: torch.Generator
+    arrival_s: float = field(default_factory=time.monotonic)
+    queue_time_s: float | None = None
 
 
 class LLMEngine:
@@ -139,6 +141,7 @@ class LLMEngine:
         logits = self.runner.execute(batch)
         for request, num_new in scheduled.num_new_tokens.items():
             request.num_computed_tokens += num_new
+            self._note_first_scheduled(self.requests[request.request_id])
         outputs = [
             self._emit(request, rows)
             for request, rows in zip(batch.sampling_requests, logits.split(batch.num_logits_rows))
@@ -148,6 +151,11 @@ class LLMEngine:
                 self.kv.cache_full_blocks(request)
         self._count_generated(sum(len(o.new_token_ids) for o in outputs))
         return outputs
+
+    @staticmethod
+    def _note_first_scheduled(tracked: _Tracked) -> None:
+        if tracked.queue_time_s is None:
+            tracked.queue_time_s = time.monotonic() - tracked.arrival_s
 
     def _emit(self, request: Request, logits: torch.Tensor) -> RequestOutput:
         """Sample (or verify drafts) from this request's logits rows and append the result."""
@@ -235,6 +243,7 @@ class LLMEngine:
             num_prompt_tokens=len(request.prompt_token_ids),
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            queue_time_s=tracked.queue_time_s,
         )
 
     # ---- stats ---------------------------------------------------------------

@@ -104,8 +104,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.num_queries += request.num_tokens
-        self.num_hits += len(hits) * self.block_size
         return hits
 
     def can_allocate(self, request: Request, num_tokens: int, cached: list[KVBlock]) -> bool:
@@ -114,6 +112,9 @@ class KVCacheManager:
     def allocate(self, request: Request, num_tokens: int, cached: list[KVBlock]) -> None:
         """Give `request` blocks for `num_tokens` tokens in all, `cached` ones first."""
         assert self.can_allocate(request, num_tokens, cached), "allocate without can_allocate"
+        if not request.block_ids:  # admission: count the prefix-cache lookup once
+            self.num_queries += request.num_tokens
+            self.num_hits += len(cached) * self.block_size
         for block in cached:
             self.pool.touch(block)
             request.block_ids.append(block.block_id)

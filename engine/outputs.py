@@ -20,6 +20,8 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
+    queue_time_s: float | None = None
+    """Time from arrival until the request was first scheduled."""
 
 
 @dataclass(frozen=True)

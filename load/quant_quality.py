@@ -29,12 +29,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.awq import DEFAULT_CALIBRATION_PATH, calibration_token_ids  # noqa: E402
 from engine.config import EngineConfig, QuantConfig  # noqa: E402
 from engine.loader import load_model, resolve_model_dir  # noqa: E402
-from engine.quant import DEFAULT_CALIBRATION_PATH, calibration_token_ids, quantize_model  # noqa: E402
+from engine.quant import quantize_model  # noqa: E402
 
 SCHEMES: dict[str, QuantConfig] = {
     "int8": QuantConfig("int8", method="rtn"),
+    "int8_awq": QuantConfig("int8", method="awq"),
     "int4_g32_rtn": QuantConfig("int4", 32, "rtn"),
     "int4_g32_awq": QuantConfig("int4", 32, "awq"),
     "int4_g64_rtn": QuantConfig("int4", 64, "rtn"),
@@ -66,7 +68,9 @@ def continuation_logprobs(model: torch.nn.Module, row: dict) -> torch.Tensor:
     return torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1)
 
 
-def compare(base: list[torch.Tensor], quant: list[torch.Tensor], rows: list[dict]) -> dict[str, float]:
+def compare(
+    base: list[torch.Tensor], quant: list[torch.Tensor], rows: list[dict]
+) -> dict[str, float]:
     """Mean KL, top-1 agreement and both perplexities over all continuation positions."""
     kl_sum = agree = nll_base = nll_quant = 0.0
     positions = 0
@@ -108,7 +112,11 @@ def emit(results: list[dict], num_prompts: int, dtype: str) -> None:
     common = {"bench": "quant", "n_prompts": num_prompts, "dtype": dtype, "model": "default"}
 
     def line(metric: str, value: float, unit: str, **extra: object) -> None:
-        print(json.dumps({**common, "metric": metric, "value": round(value, 6), "unit": unit, **extra}))
+        print(
+            json.dumps(
+                {**common, "metric": metric, "value": round(value, 6), "unit": unit, **extra}
+            )
+        )
 
     line("ppl.bf16" if dtype == "bfloat16" else f"ppl.{dtype}", results[0]["ppl_base"], "ppl")
     for result in results:
@@ -131,8 +139,12 @@ def make_references(path: Path, max_new_tokens: int = REFERENCE_TOKENS) -> None:
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     for row in rows:
         messages = [{"role": "user", "content": row["prompt"]}]
-        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)[
+            "input_ids"
+        ]
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False
+        )
         row["prompt_ids"], row["reference_ids"] = prompt_ids, out[0, len(prompt_ids) :].tolist()
         row["reference"] = tokenizer.decode(row["reference_ids"])
         print(f"{row['id']}: {row['reference'][:60]!r}", file=sys.stderr)
@@ -140,18 +152,26 @@ def make_references(path: Path, max_new_tokens: int = REFERENCE_TOKENS) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK_PROMPTS} prompts, {QUICK_SCHEMES}")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help=f"{QUICK_PROMPTS} prompts, {QUICK_SCHEMES}"
+    )
     parser.add_argument("--schemes", help=f"comma-separated subset of {list(SCHEMES)}")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--make-data", action="store_true", help="regenerate reference continuations")
+    parser.add_argument(
+        "--make-data", action="store_true", help="regenerate reference continuations"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.make_data:
         make_references(DEFAULT_CALIBRATION_PATH)
         return
-    names = args.schemes.split(",") if args.schemes else list(QUICK_SCHEMES if args.quick else SCHEMES)
+    names = (
+        args.schemes.split(",") if args.schemes else list(QUICK_SCHEMES if args.quick else SCHEMES)
+    )
     unknown = [name for name in names if name not in SCHEMES]
     if unknown:
         parser.error(f"unknown schemes {unknown}; choose from {list(SCHEMES)}")

@@ -6,24 +6,15 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from engine_helpers import TEST_ENGINE_CONFIG
+from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig, default_cache_dir
 from engine.engine import LLMEngine
 from engine.loader import load_tokenizer
-from transformers import PreTrainedTokenizerBase
 
 # Two shared cores: extra torch threads only contend with each other (ENVIRONMENT.md).
 torch.set_num_threads(1)
-
-TEST_ENGINE_CONFIG = dict(
-    model="default",
-    dtype="float32",
-    num_kv_blocks=64,
-    max_num_seqs=8,
-    max_num_batched_tokens=64,
-)
-"""Small and exact: fp32 for parity, a 1,024-token KV pool (47 MB) instead of 1 GB."""
-
 
 @pytest.fixture(scope="session")
 def make_engine() -> Callable[..., LLMEngine]:

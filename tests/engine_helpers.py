@@ -10,6 +10,15 @@ from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
+TEST_ENGINE_CONFIG = dict(
+    model="default",
+    dtype="float32",
+    num_kv_blocks=64,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+)
+"""Small and exact: fp32 for parity, a 1,024-token KV pool (47 MB) instead of 1 GB."""
+
 MAX_STEPS = 2_000
 """Far more than any test needs: hitting it means a deadlock or a livelock."""
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import quant
+from engine import awq, quant, quant_checkpoint
 from engine.config import QuantConfig
 from engine.model import LlamaForCausalLM, ModelArgs
 
@@ -92,11 +92,12 @@ def test_awq_beats_rtn_when_a_few_input_channels_dominate() -> None:
     x = torch.randn(512, 256)
     x[:, :8] *= 30
     rtn = quant.fake_quantize(weight, "int4", 64)
-    inv_scale = quant.search_input_scale(weight, x, "int4", 64)
-    awq = quant.fake_quantize(weight / inv_scale, "int4", 64) * inv_scale
+    found = awq.search_layer(weight, x, "int4", 64)
+    scaled = quant.fake_quantize(weight / found.input_scale, "int4", 64, found.clip)
+    awq_weight = scaled * found.input_scale
     reference = x @ weight.t()
     rtn_error = (x @ rtn.t() - reference).pow(2).mean()
-    awq_error = (x @ awq.t() - reference).pow(2).mean()
+    awq_error = (x @ awq_weight.t() - reference).pow(2).mean()
     assert awq_error < 0.8 * rtn_error
 
 
@@ -112,9 +113,9 @@ def test_awq_model_carries_input_scales_and_runs() -> None:
 @pytest.mark.parametrize("config", [QuantConfig("int8"), QuantConfig("int4", 32, "awq")])
 def test_checkpoint_round_trip_reproduces_logits(tmp_path: Path, config: QuantConfig) -> None:
     model = quant.quantize_model(tiny_model(dtype=torch.bfloat16), config, calibration())
-    path = tmp_path / quant.checkpoint_filename(config)
-    quant.save_quantized(model, path, config)
-    loaded = quant.load_quantized(tiny_model(seed=1, dtype=torch.bfloat16), path, config)
+    path = tmp_path / quant_checkpoint.checkpoint_filename(config)
+    quant_checkpoint.save_quantized(model, path, config)
+    loaded = quant_checkpoint.load_quantized(tiny_model(seed=1, dtype=torch.bfloat16), path, config)
     tokens = torch.arange(12)
     assert torch.equal(loaded.compute_logits_dense(tokens), model.compute_logits_dense(tokens))
     assert loaded.lm_head.weight is loaded.embed_tokens.weight
@@ -123,10 +124,10 @@ def test_checkpoint_round_trip_reproduces_logits(tmp_path: Path, config: QuantCo
 def test_checkpoint_loads_into_a_meta_skeleton(tmp_path: Path) -> None:
     config = QuantConfig("int4", 64)
     path = tmp_path / "q.safetensors"
-    quant.save_quantized(quant.quantize_model(tiny_model(), config), path, config)
+    quant_checkpoint.save_quantized(quant.quantize_model(tiny_model(), config), path, config)
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(TINY)
-    quant.load_quantized(skeleton, path, config)
+    quant_checkpoint.load_quantized(skeleton, path, config)
     assert not any(t.is_meta for t in skeleton.state_dict().values())
 
 
@@ -134,14 +135,14 @@ def test_checkpoint_loads_into_a_meta_skeleton(tmp_path: Path) -> None:
 def saved(tmp_path: Path) -> tuple[Path, QuantConfig]:
     config = QuantConfig("int8")
     path = tmp_path / "q.safetensors"
-    quant.save_quantized(quant.quantize_model(tiny_model(), config), path, config)
+    quant_checkpoint.save_quantized(quant.quantize_model(tiny_model(), config), path, config)
     return path, config
 
 
 def test_load_refuses_another_config(saved) -> None:
     path, _ = saved
     with pytest.raises(ValueError, match="quantized with"):
-        quant.load_quantized(tiny_model(), path, QuantConfig("int4", 64))
+        quant_checkpoint.load_quantized(tiny_model(), path, QuantConfig("int4", 64))
 
 
 def test_load_refuses_flipped_bytes(saved) -> None:
@@ -150,7 +151,7 @@ def test_load_refuses_flipped_bytes(saved) -> None:
     data[-100] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="checksum"):
-        quant.load_quantized(tiny_model(), path, config)
+        quant_checkpoint.load_quantized(tiny_model(), path, config)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
@@ -159,14 +160,14 @@ def test_load_refuses_unreadable_files(saved, damage: str) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"not a checkpoint")
     with pytest.raises(ValueError, match="corrupt|not a readable"):
-        quant.load_quantized(tiny_model(), path, config)
+        quant_checkpoint.load_quantized(tiny_model(), path, config)
 
 
 def test_load_refuses_another_model_shape(saved) -> None:
     path, config = saved
     other = LlamaForCausalLM(ModelArgs(**{**TINY.__dict__, "intermediate_size": 192}))
     with pytest.raises(ValueError, match="does not fit"):
-        quant.load_quantized(other, path, config)
+        quant_checkpoint.load_quantized(other, path, config)
 
 
 @pytest.mark.slow
@@ -182,7 +183,7 @@ def test_int8_default_model_greedy_equals_its_dequantized_reference() -> None:
         if isinstance(module, quant.QuantLinear):
             dense = nn.Linear(module.in_features, module.out_features, bias=False)
             dense.weight.data = module.dequantized_weight()
-            quant._set_submodule(reference, name, dense)
+            quant.set_submodule(reference, name, dense)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
     assert _greedy(model, prompt, 12) == _greedy(reference, prompt, 12)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from fakes import TOKEN_DELAY_S, FakeEngine
+from fakes import FakeEngine
 from serve_harness import serving
 
 from app.config import ApiKeyConfig, GatewayConfig, TierserveConfig, load_config
@@ -174,6 +174,7 @@ def test_standard_overflows_to_offline_when_interactive_is_full(base_url: str) -
             )
         for task in tasks + more:
             task.cancel()
+        await asyncio.gather(*tasks, *more, return_exceptions=True)
         return standard.headers["x-tierserve-pool"], shed.status_code, refused
 
     pool, queued_status, refused = asyncio.run(scenario())
@@ -182,6 +183,7 @@ def test_standard_overflows_to_offline_when_interactive_is_full(base_url: str) -
     assert refused.status_code == 429  # ... but not past the queue limit
     assert int(refused.headers["retry-after"]) >= 1
     assert refused.json()["error"]["type"] == "rate_limit_exceeded"
+    _wait_for_metric(base_url, "vllm:num_requests_running", 0, timeout_s=5, pool="interactive")
 
 
 def _metric(base_url: str, name: str, **labels: str) -> float:
@@ -207,7 +209,8 @@ def test_disconnect_aborts_the_request_in_the_engine(base_url: str) -> None:
     body = {"model": MODEL, "prompt": "x", "max_tokens": max_tokens, "stream": True}
     headers = {"Authorization": f"Bearer {KEY}", "X-SLA-Tier": "batch"}
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers) as r:
-        next(r.iter_lines())
+        lines = r.iter_lines()  # kept: a dropped iterator would close the stream at once
+        next(lines)
         _wait_for_metric(base_url, "vllm:num_requests_running", 1, timeout_s=3, pool="offline")
     _wait_for_metric(base_url, "vllm:num_requests_running", 0, timeout_s=3, pool="offline")
     assert _metric(base_url, "vllm:kv_cache_usage_perc", pool="offline") == 0

@@ -1,0 +1,201 @@
+"""Memory and speed of INT8 / INT4 weights against bf16, measured in the same run.
+
+Each variant runs in a fresh process, so that its RSS is its own: it loads the
+weights (quantized ones from a cached checkpoint, made once on first use),
+then times batch-1 greedy decoding and 64 concurrent requests through
+LLMEngine. Ratios are variant / bf16 (bigger is better); weight bytes count
+the decoder's linear layers (the lm_head is tied to the embedding and stays bf16).
+
+    python load/bench_quant.py [--quick] [--variants bf16,int8,int4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import engine as engine_module  # noqa: E402
+from engine.awq import DEFAULT_CALIBRATION_PATH, calibration_token_ids  # noqa: E402
+from engine.config import EngineConfig, QuantConfig  # noqa: E402
+from engine.loader import load_model, resolve_model_dir  # noqa: E402
+from engine.model import LlamaForCausalLM, ModelArgs, RotaryEmbedding  # noqa: E402
+from engine.quant import QuantLinear, quantize_model  # noqa: E402
+from engine.quant_checkpoint import checkpoint_filename, load_quantized, save_quantized  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+VARIANTS: dict[str, QuantConfig | None] = {
+    "bf16": None,
+    "int8": QuantConfig("int8"),
+    "int4": QuantConfig("int4", 64, "awq"),
+}
+CONCURRENCY = 64
+
+
+def checkpoint_path(config: EngineConfig, quant: QuantConfig) -> Path:
+    model_dir = resolve_model_dir(config.model, config.cache_dir)
+    return config.cache_dir / "quantized" / model_dir.name / checkpoint_filename(quant)
+
+
+def prepare(variant: str) -> None:
+    """Quantize the default model once and cache the checkpoint (AWQ takes a minute or two)."""
+    config, quant = EngineConfig(), VARIANTS[variant]
+    assert quant is not None
+    model, _ = load_model(config)
+    calibration = calibration_token_ids() if quant.method == "awq" else ()
+    quantize_model(model, quant, calibration)
+    save_quantized(model, checkpoint_path(config, quant), quant)
+
+
+def load_quantized_model(config: EngineConfig, quant: QuantConfig):
+    """Stand-in for engine/loader.py until it loads quantized checkpoints itself: a meta
+    skeleton filled from the checkpoint, so the bf16 weights are never read."""
+    model_dir = resolve_model_dir(config.model, config.cache_dir)
+    args = ModelArgs.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args)
+    load_quantized(model, checkpoint_path(config, quant), quant)
+    model.rope = RotaryEmbedding(args, args.max_position_embeddings)
+    return model.eval(), AutoTokenizer.from_pretrained(model_dir)
+
+
+def linear_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every tensor held by the decoder's linear layers (tied lm_head excluded)."""
+    total = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear | QuantLinear) and not name.endswith("lm_head"):
+            total += sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    return total
+
+
+def rss_bytes() -> int:
+    import psutil
+
+    gc.collect()
+    return psutil.Process().memory_info().rss
+
+
+def decode_b1_tok_s(engine, prompt_ids: list[int], num_tokens: int) -> float:
+    """Decode speed of one request: tokens after the first over the time after the first."""
+    engine.add_request("b1", prompt_ids, _greedy(num_tokens))
+    first = None
+    while engine.has_unfinished():
+        engine.step()
+        first = first or time.perf_counter()
+    return (num_tokens - 1) / (time.perf_counter() - first)
+
+
+def throughput_tok_s(engine, prompts: list[list[int]], num_tokens: int) -> float:
+    """Output tokens per second with every request submitted at once (prefill included)."""
+    start = time.perf_counter()
+    for i, prompt_ids in enumerate(prompts):
+        engine.add_request(f"c{i}", prompt_ids, _greedy(num_tokens))
+    while engine.has_unfinished():
+        engine.step()
+    return len(prompts) * num_tokens / (time.perf_counter() - start)
+
+
+def _greedy(num_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+
+
+def measure(variant: str, quick: bool, threads: int) -> dict[str, float]:
+    """Everything one variant reports; runs in its own process."""
+    torch.set_num_threads(threads)
+    quant = VARIANTS[variant]
+    config = EngineConfig(max_num_seqs=CONCURRENCY, kv_cache_memory_gb=0.25, num_threads=threads)
+    if quant is not None:
+        engine_module.load_model = lambda cfg: load_quantized_model(cfg, quant)
+    engine = engine_module.LLMEngine(config)
+    result = {"weight_bytes": linear_weight_bytes(engine.model), "rss_mb": rss_bytes() / 2**20}
+    rows = [json.loads(line) for line in DEFAULT_CALIBRATION_PATH.read_text().splitlines()]
+    prompts = [row["prompt_ids"] for row in rows if row["split"] == "eval"][:CONCURRENCY]
+    decode_b1_tok_s(engine, prompts[0], 4)  # warm-up
+    result["decode_b1_tok_s"] = decode_b1_tok_s(engine, prompts[1], 32 if quick else 128)
+    result["throughput64_tok_s"] = throughput_tok_s(engine, prompts, 16 if quick else 64)
+    return result
+
+
+def run_child(flag: str, variant: str, quick: bool, threads: int) -> dict[str, float] | None:
+    command = [sys.executable, __file__, flag, variant, "--threads", str(threads)]
+    if quick:
+        command.append("--quick")
+    out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1]) if flag == "--child" else None
+
+
+def emit(results: dict[str, dict[str, float]], common: dict) -> None:
+    """Raw figures per variant, then ratios to bf16 named as ../shared/BENCHMARKS.md asks."""
+
+    def line(metric: str, value: float, unit: str) -> None:
+        print(json.dumps({"bench": "quant", "metric": metric, "value": round(value, 4),
+                          "unit": unit, **common}))  # fmt: skip
+
+    units = {"weight_bytes": "bytes", "rss_mb": "MiB", "decode_b1_tok_s": "tok/s",
+             "throughput64_tok_s": "tok/s"}  # fmt: skip
+    for variant, result in results.items():
+        for key, unit in units.items():
+            line(f"{key}.{variant}", result[key], unit)
+    base = results["bf16"]
+    for variant in (v for v in results if v != "bf16"):
+        result = results[variant]
+        line(
+            f"ratio.weight_bytes.{variant}_vs_bf16",
+            result["weight_bytes"] / base["weight_bytes"],
+            "x",
+        )
+        line(f"ratio.rss.{variant}_vs_bf16", result["rss_mb"] / base["rss_mb"], "x")
+        line(
+            f"ratio.decode_b1.{variant}_vs_bf16",
+            result["decode_b1_tok_s"] / base["decode_b1_tok_s"],
+            "x",
+        )
+        ratio = result["throughput64_tok_s"] / base["throughput64_tok_s"]
+        line(f"ratio.throughput64.{variant}_vs_bf16", ratio, "x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="shorter generations")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--prepare", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.prepare:
+        prepare(args.prepare)
+        return
+    if args.child:
+        print(json.dumps(measure(args.child, args.quick, args.threads)))
+        return
+    variants = ["bf16"] + [v for v in args.variants.split(",") if v != "bf16"]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    for variant in variants:
+        quant = VARIANTS[variant]
+        if quant is not None and not checkpoint_path(EngineConfig(), quant).is_file():
+            print(f"bench_quant: quantizing {variant} once...", file=sys.stderr)
+            run_child("--prepare", variant, args.quick, args.threads)
+    results = {}
+    for variant in variants:
+        results[variant] = run_child("--child", variant, args.quick, args.threads)
+        print(f"{variant}: {results[variant]}", file=sys.stderr)
+    common = {"threads": args.threads, "dtype": "bfloat16", "model": "default", "quick": args.quick,
+              "int4": "g64 awq", "concurrency": CONCURRENCY}  # fmt: skip
+    emit(results, common)
+
+
+if __name__ == "__main__":
+    main()

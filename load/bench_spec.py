@@ -1,0 +1,301 @@
+"""Speculative decoding benchmark: batch-1 TPOT with and without speculation, in one run.
+
+  python -m load.bench_spec [--quick] [--threads N] [--sweep]
+
+Three prompt sets from data/spec_prompts/: (a) `grounded` (summarize, rewrite,
+extract from a text in the prompt) with prompt lookup (`ngram`); (b) `chat`
+(open questions) with a draft model (`draft`): the default model cut to its
+first --draft-layers layers, as no distilled draft exists yet; (c)
+`adversarial` (novel text the prompt cannot predict) with `ngram`, where drafts
+keep failing and the back-off must keep the cost down.
+
+Every request runs alone (batch 1), greedy (temperature 0), bf16, EOS
+honoured, the same prompts in the same order on both sides. The side without
+speculation and the side with it alternate prompt by prompt, so background
+load on the shared cores hits both alike. TPOT is per request, (last token
+time - first token time) / (output tokens - 1), averaged over the requests;
+`decode_tok_s` is all tokens after the first over all that time. Each
+speculating side also reports where its step time goes (`step_ms.*`: target
+forward passes by query length, proposer, verification).
+
+`--sweep` instead tries draft depths and k on a few prompts (the defaults
+below were chosen with it) and prints one line per setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig, SpecDecodeConfig
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from load.report import emit, log
+
+PROMPT_DIR = Path(__file__).resolve().parent.parent / "data" / "spec_prompts"
+CASES = (  # (prompt set, proposer, ratio metric)
+    ("grounded", "ngram", "ratio.tpot_speedup.ngram_grounded"),
+    ("chat", "draft", "ratio.tpot_speedup.draft_chat"),
+    ("adversarial", "ngram", "ratio.tpot_speedup.adversarial"),
+)
+
+
+def load_prompts(engine: LLMEngine, prompt_set: str, limit: int | None) -> list[list[int]]:
+    lines = (PROMPT_DIR / f"{prompt_set}.jsonl").read_text().splitlines()
+    texts = [json.loads(line)["prompt"] for line in lines if line.strip()][:limit]
+    return [chat_ids(engine, text) for text in texts]
+
+
+def chat_ids(engine: LLMEngine, text: str) -> list[int]:
+    encoded = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+        return_dict=True,
+    )
+    return list(encoded["input_ids"])
+
+
+@dataclass
+class Timings:
+    """Seconds spent in each instrumented call, and how many calls."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def wrap(self, fn, name_of):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            name = name_of(*args)
+            self.seconds[name] += time.perf_counter() - start
+            self.calls[name] += 1
+            return result
+
+        return timed
+
+    def mean_ms(self, name: str) -> float:
+        return self.seconds[name] / self.calls[name] * 1000 if self.calls[name] else 0.0
+
+
+def instrument(engine: LLMEngine) -> Timings:
+    """Time the target's forward passes (by packed query length), proposing and verifying."""
+    timings = Timings()
+
+    def forward_name(batch) -> str:
+        q_len = batch.input_ids.numel()
+        return f"forward_q{q_len}" if q_len <= 16 else "forward_prefill"
+
+    engine.runner.execute = timings.wrap(engine.runner.execute, forward_name)
+    engine.step = timings.wrap(engine.step, lambda: "step")
+    if engine.speculator is not None:
+        spec = engine.speculator
+        spec.propose = timings.wrap(spec.propose, lambda *_: "propose")
+        spec.verify = timings.wrap(spec.verify, lambda *_: "verify")
+    return timings
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    tpot_ms: float | None
+    decode_s: float
+    num_decode_tokens: int
+
+
+def run_one(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> Result:
+    """One request alone; times the tokens after the first."""
+    engine.add_request("bench", prompt, params)
+    token_ids: list[int] = []
+    first = last = 0.0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.new_token_ids:
+                last = time.perf_counter()
+                first = first or last
+                token_ids += out.new_token_ids
+    num_decode = len(token_ids) - 1
+    tpot = (last - first) / num_decode * 1000 if num_decode > 0 else None
+    return Result(token_ids, tpot, last - first, num_decode)
+
+
+@dataclass
+class Side:
+    results: list[Result] = field(default_factory=list)
+
+    @property
+    def tpot_ms(self) -> float:
+        return statistics.mean(r.tpot_ms for r in self.results if r.tpot_ms is not None)
+
+    @property
+    def decode_tok_s(self) -> float:
+        return sum(r.num_decode_tokens for r in self.results) / sum(r.decode_s for r in self.results)
+
+
+def spec_counters(engine: LLMEngine) -> tuple[int, int, int]:
+    s = engine.stats()
+    return s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens
+
+
+def compare(
+    plain: LLMEngine, spec: LLMEngine, prompts: list[list[int]], params: SamplingParams
+) -> tuple[Side, Side, dict[str, float], Timings, Timings]:
+    """Run every prompt on both engines, alternating; return both sides and spec counters."""
+    plain_t, spec_t = instrument_once(plain), instrument_once(spec)
+    plain_t.seconds.clear(), plain_t.calls.clear(), spec_t.seconds.clear(), spec_t.calls.clear()
+    before = spec_counters(spec)
+    base, sped = Side(), Side()
+    for prompt in prompts:
+        base.results.append(run_one(plain, prompt, params))
+        sped.results.append(run_one(spec, prompt, params))
+    drafts, draft_tokens, accepted = (a - b for a, b in zip(spec_counters(spec), before))
+    counters = dict(
+        acceptance_rate=accepted / draft_tokens if draft_tokens else 0.0,
+        mean_accepted_len=1 + accepted / drafts if drafts else 0.0,
+        num_drafts=drafts,
+        greedy_match_frac=sum(
+            a.token_ids == b.token_ids for a, b in zip(base.results, sped.results)
+        ) / len(prompts),
+    )
+    return base, sped, counters, plain_t, spec_t
+
+
+_TIMINGS: dict[int, Timings] = {}
+
+
+def instrument_once(engine: LLMEngine) -> Timings:
+    if id(engine) not in _TIMINGS:
+        _TIMINGS[id(engine)] = instrument(engine)
+    return _TIMINGS[id(engine)]
+
+
+def engine_config(args: argparse.Namespace, spec: SpecDecodeConfig | None) -> EngineConfig:
+    return EngineConfig(
+        dtype="bfloat16", num_threads=args.threads, kv_cache_memory_gb=0.25, max_num_seqs=8,
+        max_num_batched_tokens=512, seed=args.seed, spec_decode=spec,
+    )
+
+
+def ngram_spec(args: argparse.Namespace, k: int | None = None, ngram_min: int | None = None):
+    return SpecDecodeConfig(
+        method="ngram", num_speculative_tokens=k or args.ngram_k,
+        ngram_min=ngram_min or args.ngram_min, ngram_max=args.ngram_max,
+    )
+
+
+def draft_spec(args: argparse.Namespace, k: int | None = None, layers: int | None = None):
+    return SpecDecodeConfig(
+        method="draft", num_speculative_tokens=k or args.draft_k, draft_model="default",
+        draft_num_layers=layers or args.draft_layers,
+    )
+
+
+def warm_up(engine: LLMEngine) -> None:
+    run_one(engine, chat_ids(engine, "Say hello."), SamplingParams(max_tokens=8, temperature=0))
+
+
+def report_profile(label: str, timings: Timings, common: dict) -> None:
+    """Per-step costs: forward passes by query length, propose, verify."""
+    names = sorted(timings.calls, key=lambda n: (not n.startswith("forward_q"), len(n), n))
+    for name in names:
+        if name in ("step", "forward_prefill") or timings.calls[name] < 3:
+            continue
+        emit("spec", f"step_ms.{name}.{label}", timings.mean_ms(name), "ms",
+             calls=timings.calls[name], **common)
+    step_s = timings.seconds["step"]
+    parts = {n: s / step_s for n, s in timings.seconds.items() if n != "step"}
+    log(f"  {label}: {timings.calls['step']} steps, {timings.mean_ms('step'):.1f} ms/step; "
+        "share of step time: " + ", ".join(f"{n} {f:.0%}" for n, f in sorted(parts.items())))
+
+
+def bench(args: argparse.Namespace) -> None:
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    limit = args.num_prompts
+    common = dict(threads=torch.get_num_threads(), dtype="bfloat16", seed=args.seed,
+                  quick=args.quick, max_tokens=args.max_tokens, temperature=0)
+    plain = LLMEngine(engine_config(args, None))
+    spec_engines = {
+        "ngram": LLMEngine(engine_config(args, ngram_spec(args))),
+        "draft": LLMEngine(engine_config(args, draft_spec(args))),
+    }
+    settings = {
+        "ngram": dict(k=args.ngram_k, ngram_min=args.ngram_min, ngram_max=args.ngram_max),
+        "draft": dict(k=args.draft_k, draft="default", draft_num_layers=args.draft_layers),
+    }
+    for engine in (plain, *spec_engines.values()):
+        warm_up(engine)
+    for prompt_set, proposer, ratio_name in CASES:
+        engine = spec_engines[proposer]
+        prompts = load_prompts(engine, prompt_set, limit)
+        log(f"{prompt_set} x {proposer}: {len(prompts)} prompts, max_tokens={args.max_tokens}")
+        base, sped, counters, plain_t, spec_t = compare(plain, engine, prompts, params)
+        extra = dict(common, n=len(prompts), **settings[proposer])
+        emit("spec", f"tpot_ms.none.{prompt_set}", base.tpot_ms, "ms", **extra)
+        emit("spec", f"tpot_ms.{proposer}.{prompt_set}", sped.tpot_ms, "ms", **extra)
+        emit("spec", f"decode_tok_s.none.{prompt_set}", base.decode_tok_s, "tok/s", **extra)
+        emit("spec", f"decode_tok_s.{proposer}.{prompt_set}", sped.decode_tok_s, "tok/s", **extra)
+        emit("spec", ratio_name, base.tpot_ms / sped.tpot_ms, "x", **extra)
+        emit("spec", f"acceptance_rate.{proposer}.{prompt_set}", counters["acceptance_rate"],
+             "frac", **extra)
+        emit("spec", f"mean_accepted_len.{proposer}.{prompt_set}",
+             counters["mean_accepted_len"], "tok", **extra)
+        emit("spec", f"greedy_match_frac.{proposer}.{prompt_set}",
+             counters["greedy_match_frac"], "frac", **extra)
+        report_profile(f"none.{prompt_set}", plain_t, extra)
+        report_profile(f"{proposer}.{prompt_set}", spec_t, extra)
+
+
+def sweep(args: argparse.Namespace) -> None:
+    """TPOT speed-up of a few proposer settings on a few prompts, one line each (stderr)."""
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    plain = LLMEngine(engine_config(args, None))
+    warm_up(plain)
+    grid = [("grounded", ngram_spec(args, k, m)) for k in (2, 4, 8) for m in (1, 2)]
+    grid += [("adversarial", ngram_spec(args, 4, m)) for m in (1, 2)]
+    grid += [("chat", draft_spec(args, k, n)) for n in (2, 4, 8, 12) for k in (1, 2, 4)]
+    for prompt_set, spec in grid:
+        engine = LLMEngine(engine_config(args, spec))
+        warm_up(engine)
+        prompts = load_prompts(engine, prompt_set, args.num_prompts)
+        base, sped, counters, _, _ = compare(plain, engine, prompts, params)
+        log(f"sweep {prompt_set:<12} {spec.method:<5} k={spec.num_speculative_tokens} "
+            f"ngram_min={spec.ngram_min} layers={spec.draft_num_layers}: "
+            f"speedup {base.tpot_ms / sped.tpot_ms:.2f}x  tpot {sped.tpot_ms:.1f} vs "
+            f"{base.tpot_ms:.1f} ms  acceptance {counters['acceptance_rate']:.2f}  "
+            f"mean_len {counters['mean_accepted_len']:.2f}")
+        del engine
+        _TIMINGS.clear()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer prompts, shorter outputs")
+    p.add_argument("--sweep", action="store_true", help="try proposer settings instead")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-prompts", type=int, default=None, help="per prompt set")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--ngram-k", type=int, default=4)
+    p.add_argument("--ngram-min", type=int, default=1)
+    p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument("--draft-k", type=int, default=2)
+    p.add_argument("--draft-layers", type=int, default=8)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    if args.num_prompts is None:
+        args.num_prompts = 2 if args.sweep else 4 if args.quick else None
+    if args.max_tokens is None:
+        args.max_tokens = 40 if args.sweep else 64 if args.quick else 128
+    log(f"threads={torch.get_num_threads()} dtype=bfloat16 greedy (temperature 0) "
+        f"batch=1 max_tokens={args.max_tokens} prompts/set={args.num_prompts or 'all'}")
+    sweep(args) if args.sweep else bench(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Incremental detokenization and stop strings: unit level, then through the engine."""
+
+from __future__ import annotations
+
+from engine_helpers import chat_prompt, greedy, run_one
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
+
+MULTIBYTE_TEXT = "Café 👋 naïve 世界! 🇫🇷 — déjà vu, 😀😀 end"
+PROMPT_TEXT = "Say something:"
+
+
+def split(items: list, cuts: list[int]) -> list[list]:
+    bounds = [0, *sorted(c % (len(items) + 1) for c in cuts), len(items)]
+    return [items[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def stream(tokenizer, prompt_ids: list[int], pieces: list[list[int]]) -> list[str]:
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    return [detokenizer.push(piece) for piece in pieces]
+
+
+def expected_text(tokenizer, prompt_ids: list[int], output_ids: list[int]) -> str:
+    """What the output adds to the decoded prompt, decoded in one go."""
+    prompt = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    full = tokenizer.decode(prompt_ids + output_ids, skip_special_tokens=True)
+    assert full.startswith(prompt)
+    return full[len(prompt) :]
+
+
+# ---- IncrementalDetokenizer --------------------------------------------------------
+
+
+def test_multibyte_text_streamed_token_by_token(tokenizer):
+    prompt_ids = tokenizer.encode(PROMPT_TEXT)
+    output_ids = tokenizer.encode(" " + MULTIBYTE_TEXT)
+    deltas = stream(tokenizer, prompt_ids, [[t] for t in output_ids])
+    assert "".join(deltas) == " " + MULTIBYTE_TEXT
+    assert not any("\ufffd" in delta for delta in deltas)
+    assert "" in deltas  # some emoji really spans tokens: held back, not broken
+
+
+def test_leading_spaces_survive_from_the_first_token(tokenizer):
+    prompt_ids = tokenizer.encode("Hello")
+    output_ids = tokenizer.encode(" big  world")
+    assert "".join(stream(tokenizer, prompt_ids, [[t] for t in output_ids])) == " big  world"
+
+
+def test_special_tokens_are_not_printed(tokenizer):
+    prompt_ids = tokenizer.encode("Hi")
+    deltas = stream(tokenizer, prompt_ids, [tokenizer.encode(" there"), [tokenizer.eos_token_id]])
+    assert deltas == [" there", ""]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    text=st.text(alphabet="ab é世界👋😀🇫🇷\n", min_size=1, max_size=24),
+    cuts=st.lists(st.integers(0, 100), max_size=8),
+)
+def test_any_chunking_concatenates_to_the_full_decode(tokenizer, text: str, cuts: list[int]):
+    prompt_ids = tokenizer.encode(PROMPT_TEXT)
+    output_ids = tokenizer.encode(text)
+    deltas = stream(tokenizer, prompt_ids, split(output_ids, cuts))
+    assert "".join(deltas) == expected_text(tokenizer, prompt_ids, output_ids)
+    assert not any("\ufffd" in delta for delta in deltas)
+
+
+# ---- StopStringFilter -----------------------------------------------------------
+
+
+def filter_stream(stop: tuple[str, ...], pieces: list[str]) -> tuple[str, bool]:
+    """Push pieces until a stop hits (the last piece is final); return (emitted, hit)."""
+    stop_filter, emitted = StopStringFilter(stop), ""
+    for i, piece in enumerate(pieces):
+        text, hit = stop_filter.push(piece, final=i == len(pieces) - 1)
+        emitted += text
+        if hit:
+            return emitted, True
+    return emitted, False
+
+
+def test_stop_string_split_across_pieces_is_cut_out():
+    assert filter_stream(("STOP",), ["abc ST", "O", "P and more"]) == ("abc ", True)
+
+
+def test_filter_holds_back_one_character_less_than_the_longest_stop_until_final():
+    stop_filter = StopStringFilter(("xyz", "q"))
+    assert stop_filter.push("hello x", final=False) == ("hello", False)
+    assert stop_filter.push("!", final=False) == (" ", False)
+    assert stop_filter.push("", final=True) == ("x!", False)
+
+
+def test_filter_without_stop_strings_passes_text_straight_through():
+    assert StopStringFilter(()).push("abc", final=False) == ("abc", False)
+
+
+def test_earliest_of_several_stop_strings_wins():
+    assert filter_stream(("world", "lo"), ["hello world"]) == ("hel", True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(alphabet="abc", max_size=30),
+    stop=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
+    cuts=st.lists(st.integers(0, 100), max_size=8),
+)
+def test_filter_emits_exactly_the_text_before_the_first_stop(text, stop, cuts):
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    first_hit = min(hits, default=len(text))
+    pieces = ["".join(p) for p in split(list(text), cuts)]
+    assert filter_stream(tuple(stop), pieces) == (text[:first_hit], bool(hits))
+
+
+# ---- through the engine -----------------------------------------------------------
+
+
+def test_stop_string_spanning_tokens_ends_the_request_and_is_not_returned(engine, tokenizer):
+    prompt = chat_prompt(tokenizer, "What is the capital of France?")
+    free = run_one(engine, prompt, greedy(12))
+    pieces = [tokenizer.decode([t], skip_special_tokens=True) for t in free.token_ids]
+    assert "".join(pieces) == free.text
+    # The last two characters of the 2nd token and the first two of the 3rd.
+    boundary = len(pieces[0]) + len(pieces[1])
+    stop = free.text[boundary - 2 : boundary + 2]
+    assert len(stop) == 4 and free.text.find(stop) == boundary - 2
+
+    stopped = run_one(engine, prompt, greedy(12, stop=(stop,)))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: boundary - 2]
+    assert stopped.token_ids == free.token_ids[:3]
+
+
+def test_multibyte_output_streams_without_broken_characters(engine, tokenizer):
+    prompt = chat_prompt(tokenizer, "Write three emoji and the word 世界, nothing else.")
+    completion = run_one(engine, prompt, greedy(16))
+    assert any(ord(char) > 0x7F for char in completion.text)
+    assert "\ufffd" not in completion.text
+    # A request cut off by max_tokens mid-character drops the half character.
+    full = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    assert completion.text == full.rstrip("\ufffd")

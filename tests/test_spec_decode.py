@@ -1,0 +1,432 @@
+"""Speculative decoding: exact output (greedy parity, rejection-sampling statistics),
+lookahead rollback, the back-off and the n-gram proposer.
+
+The engine tests run fp32 engines on the default model with a KV pool small
+enough to force preemption; each configuration is loaded once per module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from engine.config import EngineConfig, SpecDecodeConfig
+from engine.engine import LLMEngine
+from engine.outputs import EngineStats
+from engine.request import Request
+from engine.sampler import SampleRow, probs_for, verify
+from engine.sampling_params import SamplingParams
+from engine.spec_decode import Backoff, DraftModelProposer, NgramProposer, Speculator
+
+torch.set_num_threads(1)  # two shared cores: more threads only contend
+
+BASE_CONFIG = dict(
+    model="default",
+    dtype="float32",
+    block_size=16,
+    num_kv_blocks=16,
+    max_num_seqs=6,
+    max_num_batched_tokens=64,
+)
+"""256 KV slots for ~500 tokens of live requests: preemption is certain."""
+
+NGRAM = SpecDecodeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3)
+WEAK_DRAFT = SpecDecodeConfig(
+    method="draft", num_speculative_tokens=3, draft_model="default", draft_num_layers=4
+)
+"""The default model cut to 4 of its 30 layers: a draft that is often wrong."""
+SELF_DRAFT = SpecDecodeConfig(method="draft", num_speculative_tokens=3, draft_model="default")
+
+GROUNDED_TEXT = (
+    "The harbour town of Elsmere sits at the mouth of the Vell river. Its fishing fleet of "
+    "forty boats lands cod and herring every morning, and the market opens at six o'clock."
+)
+
+
+# ---- fixtures and helpers ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine_for() -> Callable[[SpecDecodeConfig | None], LLMEngine]:
+    """`engine_for(spec)`: an idle fp32 engine with that speculation config, built once."""
+    engines: dict[SpecDecodeConfig | None, LLMEngine] = {}
+
+    def get(spec: SpecDecodeConfig | None) -> LLMEngine:
+        if spec not in engines:
+            engines[spec] = LLMEngine(EngineConfig(**BASE_CONFIG, spec_decode=spec))
+        engine = engines[spec]
+        for request_id in list(engine.requests):  # left behind by a failed test
+            engine.abort_request(request_id)
+        return engine
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def plain_run(engine_for) -> Callable[..., object]:
+    """`plain_run(fn, *args)`: `fn(engine without speculation, *args)`, computed once."""
+    results: dict[tuple, object] = {}
+
+    def get(fn, *args):
+        key = (fn.__name__, *args)
+        if key not in results:
+            results[key] = fn(engine_for(None), *args)
+        return results[key]
+
+    return get
+
+
+def chat(engine: LLMEngine, text: str) -> list[int]:
+    encoded = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )
+    return list(encoded["input_ids"])
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
+
+
+def mixed_batch(engine: LLMEngine) -> dict[str, tuple[list[int], SamplingParams]]:
+    """Speculating greedy requests of several lengths, plus ones that never speculate."""
+    return {
+        "copy": (
+            chat(
+                engine,
+                "Repeat this sentence exactly, twice: the quick brown fox "
+                "jumps over the lazy dog near the old river bank.",
+            ),
+            greedy(28),
+        ),
+        "summary": (
+            chat(engine, f"Text: {GROUNDED_TEXT}\nSummarize the text in one sentence."),
+            greedy(24),
+        ),
+        "extract": (
+            chat(
+                engine,
+                f"Text: {GROUNDED_TEXT}\nHow many boats are in the fleet, "
+                "and when does the market open?",
+            ),
+            greedy(20),
+        ),
+        "list": (chat(engine, "List five fruits, one per line."), greedy(16, ignore_eos=True)),
+        "penalised": (
+            chat(engine, "Write two sentences about the sea."),
+            greedy(18, repetition_penalty=1.3),
+        ),
+        "short": (chat(engine, "What is the capital of France?"), greedy(6)),
+        "sampled": (
+            chat(engine, "Tell me a fun fact."),
+            SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True),
+        ),
+    }
+
+
+def run_mixed_batch(engine: LLMEngine) -> dict[str, list[int]]:
+    return run_all(engine, mixed_batch(engine))
+
+
+def run_all(
+    engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
+) -> dict[str, list[int]]:
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in requests}
+    for _ in range(2_000):
+        if not engine.has_unfinished():
+            assert_all_blocks_free(engine)
+            return tokens
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    raise AssertionError("requests still unfinished after 2,000 steps")
+
+
+def assert_all_blocks_free(engine: LLMEngine) -> None:
+    """Every block of the target's pool, and of a draft model's own pool, is back to ref 0."""
+    pools = [engine.kv.pool]
+    if engine.speculator is not None and isinstance(engine.speculator.proposer, DraftModelProposer):
+        assert not engine.speculator.proposer.shadows, "a finished request left its draft shadow"
+        pools.append(engine.speculator.proposer.kv.pool)
+    for pool in pools:
+        assert [b.ref_count for b in pool.blocks] == [0] * pool.num_blocks
+        assert pool.num_free_blocks == pool.num_blocks
+
+
+def stats_delta(before: EngineStats, after: EngineStats) -> dict[str, int]:
+    names = (
+        "num_preemptions",
+        "spec_num_drafts",
+        "spec_num_draft_tokens",
+        "spec_num_accepted_tokens",
+    )
+    return {name: getattr(after, name) - getattr(before, name) for name in names}
+
+
+# ---- greedy parity -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", [NGRAM, WEAK_DRAFT], ids=["ngram", "draft4layers"])
+def test_greedy_parity_mixed_batch_with_preemption(engine_for, plain_run, spec):
+    expected = plain_run(run_mixed_batch)
+
+    engine = engine_for(spec)
+    before = engine.stats()
+    requests = mixed_batch(engine)
+    got = run_all(engine, requests)
+    delta = stats_delta(before, engine.stats())
+
+    for request_id, (_, params) in requests.items():
+        if params.greedy:
+            assert got[request_id] == expected[request_id], request_id
+        else:  # sampled: another RNG path, but it must still run to its length
+            assert len(got[request_id]) == params.max_tokens
+    assert delta["num_preemptions"] > 0
+    assert delta["spec_num_drafts"] > 0
+    assert delta["spec_num_accepted_tokens"] > 0, "no draft was ever accepted"
+    assert delta["spec_num_accepted_tokens"] < delta["spec_num_draft_tokens"], "no rejection"
+    stats = engine.stats()
+    assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
+    assert 0 < stats.spec_acceptance_rate < 1
+    assert 1 < stats.spec_mean_accepted_len < 1 + spec.num_speculative_tokens
+
+
+def test_default_model_as_its_own_draft_accepts_everything(engine_for):
+    engine = engine_for(SELF_DRAFT)
+    before = engine.stats()
+    prompts = {
+        "a": (chat(engine, "Name three colours."), greedy(14, ignore_eos=True)),
+        "b": (chat(engine, f"Text: {GROUNDED_TEXT}\nWhere is Elsmere?"), greedy(10)),
+    }
+    got = run_all(engine, prompts)
+    delta = stats_delta(before, engine.stats())
+    assert delta["spec_num_draft_tokens"] > 0
+    assert delta["spec_num_accepted_tokens"] == delta["spec_num_draft_tokens"]
+    assert engine.stats().spec_acceptance_rate == 1.0
+    plain = engine_for(None)
+    assert got == run_all(plain, prompts)
+
+
+# ---- rollback ----------------------------------------------------------------
+
+
+def trace_rewrite(engine: LLMEngine) -> dict[int, tuple]:
+    prompt = chat(engine, f"Text: {GROUNDED_TEXT}\nRewrite the text in plain words.")
+    return trace_books(engine, prompt, greedy(40, ignore_eos=True))
+
+
+def trace_books(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> dict[int, tuple]:
+    """After each step, by output length: (block table length, num_computed_tokens, K/V)."""
+    engine.add_request("traced", prompt, params)
+    trace: dict[int, tuple] = {}
+    while engine.has_unfinished():
+        engine.step()
+        tracked = engine.requests.get("traced")
+        if tracked is None:  # finished: its blocks are gone
+            break
+        request = tracked.request
+        trace[request.num_output_tokens] = (
+            len(request.block_ids),
+            request.num_computed_tokens,
+            computed_kv(engine, request),
+        )
+    assert_all_blocks_free(engine)
+    return trace
+
+
+def computed_kv(engine: LLMEngine, request: Request) -> torch.Tensor:
+    """Keys and values of the computed positions, first and last layer: [2, 2, n, KVH, D]."""
+    size = engine.kv.block_size
+    positions = torch.arange(request.num_computed_tokens)
+    slots = torch.tensor(request.block_ids)[positions // size] * size + positions % size
+    layers = [engine.model.layers[0], engine.model.layers[-1]]
+    return torch.stack(
+        [
+            torch.stack([layer.self_attn.k_cache[slots], layer.self_attn.v_cache[slots]])
+            for layer in layers
+        ]
+    )
+
+
+@pytest.mark.parametrize("spec", [NGRAM, WEAK_DRAFT], ids=["ngram", "draft4layers"])
+def test_rollback_matches_plain_run(engine_for, plain_run, spec):
+    plain = plain_run(trace_rewrite)
+    engine = engine_for(spec)
+    before = engine.stats()
+    spec_trace = trace_rewrite(engine)
+    delta = stats_delta(before, engine.stats())
+    assert delta["spec_num_accepted_tokens"] < delta["spec_num_draft_tokens"], "no rejection"
+
+    common = sorted(set(plain) & set(spec_trace))
+    assert len(common) >= 5
+    for num_output in common:
+        plain_blocks, plain_computed, plain_kv = plain[num_output]
+        spec_blocks, spec_computed, spec_kv = spec_trace[num_output]
+        assert (spec_blocks, spec_computed) == (plain_blocks, plain_computed), num_output
+        # The cache of every computed position holds the accepted tokens' K/V,
+        # not a rejected draft's.
+        torch.testing.assert_close(spec_kv, plain_kv, atol=1e-4, rtol=1e-4)
+
+
+# ---- the acceptance rule, statistically --------------------------------------
+
+NUM_SAMPLES = 20_000
+CHI2_CRITICAL_P001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515}
+"""Chi-square critical values at p = 0.001 by degrees of freedom (no scipy here)."""
+
+TARGET_LOGITS = torch.tensor(
+    [
+        [1.0, 0.2, -0.5, 2.0, 0.0, -1.0],
+        [-0.3, 1.2, 0.4, 0.0, 1.6, -0.8],
+        [0.5, 0.5, 0.5, -1.0, 2.0, 0.0],
+        [0.0, -2.0, 1.0, 1.0, 0.3, 0.7],
+    ]
+)  # [positions, V = 6]: the target's logits at the last real token and after each draft
+DRAFT_LOGITS = torch.tensor(
+    [
+        [0.0, 1.5, 0.5, -1.0, 1.0, 0.3],
+        [1.0, -0.5, 1.2, 0.8, -1.0, 0.0],
+        [-1.0, 0.0, 2.0, 0.5, 0.5, 1.0],
+    ]
+)  # [k, V]: a draft that disagrees with the target everywhere it can
+
+Rule = Callable[[torch.Tensor, SampleRow, list[int], torch.Tensor | None], tuple[list[int], list]]
+
+
+def always_accept(logits, row, draft_token_ids, draft_probs):
+    """A deliberately wrong rule: keep every draft, then sample a bonus token."""
+    bonus = int(
+        torch.multinomial(
+            probs_for(logits[len(draft_token_ids)], row.params), 1, generator=row.generator
+        )
+    )
+    return [*draft_token_ids, bonus], []
+
+
+def emitted_counts(
+    rule: Rule, params: SamplingParams, k: int, draft: str, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts of the first emitted token, and of the second where the first draft survived.
+
+    Drafts are drawn from q (the processed draft distributions) for `draft="sampled"`;
+    `draft="one-hot"` proposes the same tokens every time, as prompt lookup does.
+    """
+    logits = TARGET_LOGITS[: k + 1]
+    draws = torch.Generator().manual_seed(seed)
+    if draft == "sampled":
+        q = torch.stack([probs_for(row, params) for row in DRAFT_LOGITS[:k]])  # [k, V]
+        drafts = torch.multinomial(q, NUM_SAMPLES, replacement=True, generator=draws).T.tolist()
+    else:
+        q = None
+        drafts = [[1, 4, 2][:k]] * NUM_SAMPLES  # token 1 is unlikely under the target
+    row = SampleRow(params, torch.Generator().manual_seed(seed + 1), [], 0, ())
+    first, second = torch.zeros(6), torch.zeros(6)
+    for draft_ids in drafts:
+        tokens, _ = rule(logits, row, draft_ids, q)
+        first[tokens[0]] += 1
+        if len(tokens) > 1:
+            second[tokens[1]] += 1
+    return first, second
+
+
+def chi2_passes(counts: torch.Tensor, probs: torch.Tensor) -> bool:
+    """Counts consistent with `probs` at p = 0.001; a zero-probability token must never appear."""
+    support = probs > 0
+    if counts[~support].sum() > 0:
+        return False
+    expected = probs[support] * counts.sum()
+    statistic = float(((counts[support] - expected) ** 2 / expected).sum())
+    return statistic < CHI2_CRITICAL_P001[int(support.sum()) - 1]
+
+
+SAMPLING_CASES = {
+    "k1-sampled-draft": (SamplingParams(temperature=1.0), 1, "sampled"),
+    "k1-one-hot-draft": (SamplingParams(temperature=1.0), 1, "one-hot"),
+    "k3-sampled-temp-topk-topp": (
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.95),
+        3,
+        "sampled",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SAMPLING_CASES))
+def test_rejection_sampling_keeps_target_distribution(case):
+    params, k, draft = SAMPLING_CASES[case]
+    first, second = emitted_counts(verify, params, k, draft, seed=11)
+    assert chi2_passes(first, probs_for(TARGET_LOGITS[0], params))
+    if k > 1:  # given an accepted first draft, the next token follows the next target row
+        assert second.sum() > 2_000
+        assert chi2_passes(second, probs_for(TARGET_LOGITS[1], params))
+
+    wrong, _ = emitted_counts(always_accept, params, k, draft, seed=11)
+    assert not chi2_passes(wrong, probs_for(TARGET_LOGITS[0], params)), "the check is too weak"
+
+
+# ---- back-off, proposers, who speculates ------------------------------------
+
+
+def test_backoff_shrinks_cools_down_probes_and_grows():
+    backoff = Backoff(max_k=4)
+    assert backoff.k_for("r") == 4
+    for expected_k in (2, 1, 0):  # a fully rejected draft halves k
+        backoff.record("r", backoff.k_for("r"), 0)
+        assert backoff._state["r"].k == expected_k
+    cooldown = [backoff.k_for("r") for _ in range(Backoff.COOLDOWN_STEPS)]
+    assert cooldown == [0] * (Backoff.COOLDOWN_STEPS - 1) + [1]  # then a 1-token probe
+    backoff.record("r", 1, 0)  # the probe failed: back to zero and cooling down
+    assert [backoff.k_for("r") for _ in range(Backoff.COOLDOWN_STEPS)][-1] == 1
+    for expected_k in (2, 3, 4, 4):  # full acceptance grows k by one, up to max_k
+        backoff.record("r", backoff.k_for("r"), backoff.k_for("r"))
+        assert backoff.k_for("r") == expected_k
+    backoff.record("r", 4, 2)  # partial acceptance leaves k alone
+    assert backoff.k_for("r") == 4
+    assert backoff.k_for("other") == 4  # per request
+    backoff.record("r", 4, 0)
+    backoff.forget("r")
+    assert backoff.k_for("r") == 4
+
+
+def ngram_draft(tokens: list[int], k: int, ngram_min: int = 1, ngram_max: int = 3) -> list[int]:
+    request = Request("r", tokens, SamplingParams())
+    proposals = NgramProposer(ngram_min, ngram_max).propose({request: k})
+    return proposals[request].token_ids if request in proposals else []
+
+
+def test_ngram_proposer_lookup():
+    assert ngram_draft([1, 2, 3, 4, 1, 2], k=2) == [3, 4]
+    # The longest matching suffix wins over a more recent shorter match.
+    assert ngram_draft([5, 6, 7, 9, 1, 6, 7, 8, 5, 6, 7], k=3) == [9, 1, 6]
+    # Among equally long matches, the most recent one wins.
+    assert ngram_draft([1, 2, 1, 3, 1], k=2) == [3, 1]
+    # A continuation is cut at the end of the tokens; it may run into the suffix itself.
+    assert ngram_draft([7, 8, 7], k=5) == [8, 7]
+    assert ngram_draft([1, 2, 3], k=2) == []  # no earlier occurrence: no proposal
+    assert ngram_draft([1, 2, 3, 1], k=2, ngram_min=2) == []  # a 1-gram is below ngram_min
+    assert ngram_draft([4, 1, 2, 9, 1, 2], k=1, ngram_min=2) == [9]
+    assert ngram_draft([3, 3, 3, 3], k=2, ngram_max=2) == [3]  # the latest start leaves one
+
+
+def test_speculator_skips_requests_it_cannot_verify_exactly():
+    speculator = Speculator(NgramProposer(1, 3), max_k=4)
+    tokens = [1, 2, 3, 1, 2]
+
+    def decoding(request_id: str, **params) -> Request:
+        request = Request(request_id, tokens, SamplingParams(**params))
+        request.num_computed_tokens = len(tokens) - 1
+        return request
+
+    plain = decoding("plain", max_tokens=16)
+    penalised = decoding("penalised", max_tokens=16, repetition_penalty=1.2)
+    min_tokens = decoding("min", max_tokens=16, min_tokens=4)
+    near_end = decoding("near-end", max_tokens=2)  # room for 1 draft plus the bonus token
+    prefilling = Request("prefill", tokens, SamplingParams(max_tokens=16))
+    speculator.propose([plain, penalised, min_tokens, near_end, prefilling])
+    assert plain.spec_token_ids == [3, 1, 2]
+    assert near_end.spec_token_ids == [3]
+    assert penalised.spec_token_ids == min_tokens.spec_token_ids == prefilling.spec_token_ids == []
