@@ -1,31 +1,44 @@
 """Paged attention over a packed batch, in plain torch (the CPU path).
 
 Each step's tokens are packed into one [T] row, sequence after sequence; every
-sequence brings `q_len` new tokens and attends to `kv_len` cached positions
-(its old context plus the new tokens). The KV cache is one flat array of
-slots per layer; a slot is `block_id * block_size + offset`. Attention gathers
-each sequence's blocks (whole blocks: one `index_select` of contiguous rows is
-several times faster than gathering slot by slot) into a padded batch and runs
-one SDPA call, so a step costs one kernel per layer whatever mix of prefills
-and decodes it holds.
+sequence brings `q_len` new tokens and attends to `kv_len` positions (its
+cached context plus the new tokens). The KV cache is one flat array of slots
+per layer; a slot is `block_id * block_size + offset`.
+
+Sequences are attended in groups so padding stays cheap: all short queries
+(decodes, speculative verification) share one padded SDPA call, and each
+prefill chunk gets its own. A group gathers its sequences' context block by
+block (one `index_select` of contiguous rows is several times faster than
+gathering slot by slot); a chunk with no cached context skips the cache and
+attends to its own K/V with a plain causal mask.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+SHORT_QUERY_MAX = 8
+"""Queries up to this many tokens (decodes, verification of k drafts) share one group."""
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    token_index: torch.Tensor  # [G_T] packed-token rows this group computes
+    query_index: torch.Tensor  # [B, max_q] packed-token row of each padded query
+    unpad_index: torch.Tensor  # [G_T] row of the flattened [B * max_q] output per token
+    block_index: torch.Tensor | None  # [B * max_blocks] context block ids; None: no cache read
+    mask: torch.Tensor | None  # [B, 1, max_q, max_blocks * block_size] True where visible
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
     positions: torch.Tensor  # [T] absolute position of each packed token
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
-    query_index: torch.Tensor  # [B, max_q] packed-token index of each padded query
-    block_index: torch.Tensor  # [B * max_blocks] each sequence's block ids, 0-padded
-    mask: torch.Tensor  # [B, 1, max_q, max_blocks * block_size] True where a query may attend
-    unpad_index: torch.Tensor  # [T] row of the flattened [B * max_q] output per token
+    groups: list[AttentionGroup]
 
     @classmethod
     def build(
@@ -37,41 +50,71 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
         """Describe one step: sequence b computes its last `q_lens[b]` of `kv_lens[b]` tokens."""
-        max_q, max_kv = max(q_lens), max(kv_lens)
-        q_len_t = torch.tensor(q_lens)
-        kv_len_t = torch.tensor(kv_lens)
-        starts = torch.cumsum(q_len_t, 0) - q_len_t  # packed offset of each sequence
-        q_offsets = torch.arange(max_q)
-        q_valid = q_offsets[None, :] < q_len_t[:, None]  # [B, max_q]
-        query_index = torch.where(q_valid, starts[:, None] + q_offsets, 0)
-        query_pos = (kv_len_t - q_len_t)[:, None] + q_offsets  # [B, max_q]
-
-        max_blocks = -(-max_kv // block_size)
-        blocks = _pad_tables(block_tables, max_blocks)  # [B, max_blocks]
-        kv_pos = torch.arange(max_blocks * block_size)
-        mask = (kv_pos[None, None, :] <= query_pos[:, :, None]) & (
-            kv_pos[None, None, :] < kv_len_t[:, None, None]
-        )
-        # Padded query rows would see nothing and give NaN; let them see slot 0.
-        mask[:, :, 0] |= ~q_valid
-        batch_rows = torch.arange(len(q_lens))[:, None] * max_q + q_offsets
-        pos = query_pos[q_valid]
-        block_of_query = blocks[torch.arange(len(q_lens)).repeat_interleave(q_len_t), pos // block_size]
-        slot_mapping = block_of_query * block_size + pos % block_size
+        starts = torch.cumsum(torch.tensor([0] + q_lens[:-1]), 0).tolist()
+        seqs = [_Seq(*fields) for fields in zip(q_lens, kv_lens, block_tables, starts)]
+        positions = [torch.arange(s.kv_len - s.q_len, s.kv_len) for s in seqs]
+        slots = [
+            torch.tensor(s.block_table)[pos // block_size] * block_size + pos % block_size
+            for s, pos in zip(seqs, positions)
+        ]
+        short = [s for s in seqs if s.q_len <= SHORT_QUERY_MAX]
+        groups = [_group(short, block_size)] if short else []
+        groups += [_group([s], block_size) for s in seqs if s.q_len > SHORT_QUERY_MAX]
         return cls(
-            positions=pos.to(device),
-            slot_mapping=slot_mapping.to(device),
-            query_index=query_index.to(device),
-            block_index=blocks.flatten().to(device),
-            mask=mask.unsqueeze(1).to(device),
-            unpad_index=batch_rows[q_valid].to(device),
+            positions=torch.cat(positions).to(device),
+            slot_mapping=torch.cat(slots).to(device),
+            groups=[_to(g, device) for g in groups],
         )
+
+
+class _Seq(NamedTuple):
+    q_len: int
+    kv_len: int
+    block_table: list[int]
+    start: int
+    """Offset of the sequence's first new token in the packed batch."""
+
+
+def _group(seqs: list[_Seq], block_size: int) -> AttentionGroup:
+    """Padded layout of some sequences attended together."""
+    max_q = max(s.q_len for s in seqs)
+    q_len_t = torch.tensor([s.q_len for s in seqs])
+    kv_len_t = torch.tensor([s.kv_len for s in seqs])
+    q_offsets = torch.arange(max_q)
+    q_valid = q_offsets[None, :] < q_len_t[:, None]  # [B, max_q]
+    starts = torch.tensor([s.start for s in seqs])
+    query_index = torch.where(q_valid, starts[:, None] + q_offsets, 0)
+    unpad_index = (torch.arange(len(seqs))[:, None] * max_q + q_offsets)[q_valid]
+    token_index = query_index[q_valid]
+    if len(seqs) == 1 and seqs[0].q_len == seqs[0].kv_len:  # a fresh chunk: no cache read
+        return AttentionGroup(token_index, query_index, unpad_index, None, None)
+    max_blocks = -(-max(s.kv_len for s in seqs) // block_size)
+    query_pos = (kv_len_t - q_len_t)[:, None] + q_offsets  # [B, max_q]
+    kv_pos = torch.arange(max_blocks * block_size)
+    mask = (kv_pos[None, None, :] <= query_pos[:, :, None]) & (
+        kv_pos[None, None, :] < kv_len_t[:, None, None]
+    )
+    mask[:, :, 0] |= ~q_valid  # padded query rows would see nothing and give NaN
+    return AttentionGroup(
+        token_index=token_index,
+        query_index=query_index,
+        unpad_index=unpad_index,
+        block_index=_pad_tables([s.block_table for s in seqs], max_blocks).flatten(),
+        mask=mask.unsqueeze(1),
+    )
 
 
 def _pad_tables(block_tables: list[list[int]], width: int) -> torch.Tensor:
     """Block tables cut or 0-padded to `width` (tables may hold lookahead blocks past it)."""
     rows = [table[:width] + [0] * (width - len(table[:width])) for table in block_tables]
     return torch.tensor(rows, dtype=torch.long)
+
+
+def _to(group: AttentionGroup, device: torch.device | str) -> AttentionGroup:
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    return AttentionGroup(*(move(getattr(group, f)) for f in AttentionGroup.__dataclass_fields__))
 
 
 def paged_attention(
@@ -82,21 +125,34 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend over each sequence's context."""
+    """Write this step's K/V into the cache, then attend group by group."""
     k_cache[meta.slot_mapping] = k
     v_cache[meta.slot_mapping] = v
-    q_b = q[meta.query_index].transpose(1, 2)  # [B, H, max_q, D]
-    k_b = _gather_blocks(k_cache, meta)  # [B, KVH, max_blocks * block_size, D]
-    v_b = _gather_blocks(v_cache, meta)
-    out = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=meta.mask, enable_gqa=True)
+    out = torch.empty_like(q)
+    for group in meta.groups:
+        out[group.token_index] = _attend_group(q, k, v, k_cache, v_cache, group)
+    return out
+
+
+def _attend_group(q, k, v, k_cache, v_cache, group: AttentionGroup) -> torch.Tensor:
+    q_b = q[group.query_index].transpose(1, 2)  # [B, H, max_q, D]
+    if group.block_index is None:  # a fresh chunk: its own K/V are the whole context
+        k_b = k[group.query_index].transpose(1, 2)  # [1, KVH, q_len, D]
+        v_b = v[group.query_index].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q_b, k_b, v_b, is_causal=True, enable_gqa=True)
+    else:
+        k_b = _gather_blocks(k_cache, group)  # [B, KVH, max_blocks * block_size, D]
+        v_b = _gather_blocks(v_cache, group)
+        out = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=group.mask, enable_gqa=True)
     num_heads, head_dim = q.shape[1], q.shape[2]
-    return out.transpose(1, 2).reshape(-1, num_heads, head_dim)[meta.unpad_index]
+    return out.transpose(1, 2).reshape(-1, num_heads, head_dim)[group.unpad_index]
 
 
-def _gather_blocks(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    num_seqs, kv_len = meta.mask.shape[0], meta.mask.shape[-1]
+def _gather_blocks(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    assert group.mask is not None and group.block_index is not None
+    num_seqs, kv_len = group.mask.shape[0], group.mask.shape[-1]
     num_heads, head_dim = cache.shape[1], cache.shape[2]
-    num_blocks = meta.block_index.shape[0] // num_seqs
+    num_blocks = group.block_index.shape[0] // num_seqs
     rows = cache.view(-1, (kv_len // num_blocks) * num_heads * head_dim)  # one row per block
-    gathered = rows.index_select(0, meta.block_index)
+    gathered = rows.index_select(0, group.block_index)
     return gathered.view(num_seqs, kv_len, num_heads, head_dim).transpose(1, 2)

@@ -377,8 +377,8 @@ class AsyncLLMEngine:
                 return
             if message[0] == "add":
                 self._add(*message[1:])
-            else:
-                self.engine.abort_request(message[1])
+            elif (aborted := self.engine.abort_request(message[1])) is not None:
+                self._deliver(aborted.request_id, aborted)  # ends a stream still being read
             self._stats = self.engine.stats()
 
     def _add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from engine_helpers import chat_prompt, greedy, run_one
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,7 +16,7 @@ PROMPT_TEXT = "Say something:"
 
 def split(items: list, cuts: list[int]) -> list[list]:
     bounds = [0, *sorted(c % (len(items) + 1) for c in cuts), len(items)]
-    return [items[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [items[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def stream(tokenizer, prompt_ids: list[int], pieces: list[list[int]]) -> list[str]:

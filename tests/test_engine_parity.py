@@ -55,7 +55,7 @@ def hf_greedy(
 
 def assert_same_greedy_tokens(ours: list[int], theirs: list[int], their_logits: torch.Tensor):
     """Equal, or equal up to a position where transformers' own top two logits tie."""
-    for i, (mine, ref) in enumerate(zip(ours, theirs)):
+    for i, (mine, ref) in enumerate(zip(ours, theirs, strict=False)):
         if mine != ref:
             top2 = their_logits[i].topk(2)
             gap = float(top2.values[0] - top2.values[1])
@@ -83,7 +83,7 @@ def test_batched_chunked_preempted_greedy_matches_transformers(make_engine, hf_m
         theirs, their_logits = hf_greedy(hf_model, prompt, MAX_TOKENS)
         assert_same_greedy_tokens(ours.token_ids, theirs, their_logits)
         their_logprobs = torch.log_softmax(their_logits, -1)
-        for i, (token, logprob) in enumerate(zip(ours.token_ids, ours.logprobs)):
+        for i, (token, logprob) in enumerate(zip(ours.token_ids, ours.logprobs, strict=True)):
             if token == theirs[i]:
                 assert logprob == pytest.approx(float(their_logprobs[i, token]), abs=1e-3)
 

@@ -190,7 +190,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self) -> None:
         out = self.model.step()
-        assert 0 < min(out.num_new_tokens.values(), default=1)
+        assert all(num_new > 0 for num_new in out.num_new_tokens.values())
         assert out.total_tokens <= MAX_NUM_BATCHED_TOKENS
         # A request preempted in this step may only be scheduled if it was re-admitted.
         assert all(r.status != RequestStatus.WAITING for r in out.num_new_tokens)
