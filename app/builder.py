@@ -1,26 +1,32 @@
 """Builds the Serve application from a TierserveConfig: one pool deployment per pool, one ingress.
 
 `serve run configs/local.yaml` calls `app_builder` with the config file's
-`args`; Serve validates them against TierserveConfig before calling it.
+`args`, validated against TierserveConfig (a typo fails at deploy time).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig
 
 from app.config import PoolConfig, TierserveConfig
 from deployments.ingress import Ingress
-from deployments.pool import Engine, Pool
+from deployments.pool import EngineFactory, Pool
 
 INGRESS_MAX_ONGOING_REQUESTS = 1024
 CONTROL_SLOTS = 4
 
 
-def build_app(config: TierserveConfig, engine_cls: type[Engine] | None = None) -> Application:
+def build_app(config: TierserveConfig, engine_cls: EngineFactory | None = None) -> Application:
     """The whole graph; `engine_cls` swaps the engine (tests pass a fake)."""
-    pools = {p.name: Pool.options(**_pool_options(p)).bind(p, engine_cls) for p in config.pools}
-    ingress = Ingress.options(
+    # Serve's decorator is not typed for classes: mypy still sees the plain class.
+    pools = {
+        p.name: Pool.options(**_pool_options(p)).bind(p, engine_cls)  # type: ignore[attr-defined]
+        for p in config.pools
+    }
+    ingress = Ingress.options(  # type: ignore[attr-defined]
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         # The ingress only awaits I/O; the gateway, not Serve's queue, bounds the load.
         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
@@ -28,9 +34,13 @@ def build_app(config: TierserveConfig, engine_cls: type[Engine] | None = None) -
     return ingress.bind(config, pools)
 
 
-def app_builder(args: TierserveConfig) -> Application:
-    """Entry point for Serve config files (`import_path: app.builder:app_builder`)."""
-    return build_app(args)
+def app_builder(args: dict[str, Any]) -> Application:
+    """Entry point for Serve config files (`import_path: app.builder:app_builder`).
+
+    Validated here rather than through the annotation: with postponed
+    annotations Serve sees a string, not the model, and passes the raw dict.
+    """
+    return build_app(TierserveConfig.model_validate(args))
 
 
 def _pool_options(pool: PoolConfig) -> dict[str, object]:

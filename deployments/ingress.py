@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
@@ -87,7 +87,10 @@ class Job:
 
 @serve.deployment
 class Ingress:
-    async def __init__(self, config: TierserveConfig, pools: dict[str, DeploymentHandle]) -> None:
+    # Serve awaits an async constructor: the pools' tokenizer is fetched before traffic.
+    async def __init__(  # type: ignore[misc]
+        self, config: TierserveConfig, pools: dict[str, DeploymentHandle]
+    ) -> None:
         self._config = config
         self._pools = pools
         self._models: dict[str, ModelInfo] = {
@@ -222,8 +225,10 @@ class Ingress:
     async def _run(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every choice's deltas as they arrive; leaving early cancels them in the pool."""
         handle = self._pools[job.pool].generate.options(stream=True)
-        streams: list[DeploymentResponseGenerator] = [
-            handle.remote(pool_request) for pool_request in job.pool_requests()
+        # With stream=True every call answers a generator; the stub can't tell.
+        streams = [
+            cast(DeploymentResponseGenerator, handle.remote(pool_request))
+            for pool_request in job.pool_requests()
         ]
         status = "aborted"
         with self._monitor.in_flight(job.pool, len(streams)):

@@ -7,14 +7,15 @@ The engine class is injectable so deployment tests run a fake without a model.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from ray import serve
 
 from app.config import PoolConfig
+from engine.config import EngineConfig
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -64,7 +65,11 @@ class ReplicaStats:
     engine: EngineStats
 
 
-def _default_engine_cls() -> type[Engine]:
+EngineFactory = Callable[[EngineConfig], Engine]
+"""An engine class, or anything that builds an engine from its config."""
+
+
+def _default_engine_cls() -> EngineFactory:
     from engine.engine import AsyncLLMEngine  # imported here: it loads torch and the model code
 
     return AsyncLLMEngine
@@ -72,9 +77,8 @@ def _default_engine_cls() -> type[Engine]:
 
 @serve.deployment
 class Pool:
-    def __init__(self, config: PoolConfig, engine_cls: type[Engine] | None = None) -> None:
+    def __init__(self, config: PoolConfig, engine_cls: EngineFactory | None = None) -> None:
         self._engine = (engine_cls or _default_engine_cls())(config.engine)
-        self._replica_id = serve.get_replica_context().replica_id.unique_id
 
     async def generate(self, request: PoolRequest) -> AsyncIterator[RequestOutput]:
         """Stream the engine's deltas; leaving early (cancel, disconnect) aborts in the engine.
@@ -85,7 +89,8 @@ class Pool:
         stream = self._engine.generate(
             request.prompt_token_ids, request.params, request.request_id, request.priority
         )
-        async with aclosing(stream):
+        # Engines implement `generate` as an async generator; the engine annotates an iterator.
+        async with aclosing(cast(AsyncGenerator[RequestOutput, None], stream)):
             async for output in stream:
                 yield output
 
@@ -93,7 +98,8 @@ class Pool:
         return ModelInfo(tokenizer=self._engine.tokenizer, max_model_len=self._engine.max_model_len)
 
     def stats(self) -> ReplicaStats:
-        return ReplicaStats(replica_id=self._replica_id, engine=self._engine.stats())
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        return ReplicaStats(replica_id=replica_id, engine=self._engine.stats())
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: a dead step loop would hang every stream."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -27,6 +27,8 @@ class ChoiceProgress:
     first_token_s: float | None = None
     last_token_s: float | None = None
     inter_token_s: list[float] = field(default_factory=list)
+    queue_time_s: float | None = None
+    """Engine-side wait before first scheduled, from the first output that reports it."""
     finish_reason: str | None = None
 
     def add(self, output: RequestOutput, now_s: float) -> None:
@@ -40,6 +42,8 @@ class ChoiceProgress:
         self.text_parts.append(output.new_text)
         self.num_prompt_tokens = output.num_prompt_tokens or self.num_prompt_tokens
         self.num_output_tokens += num_new
+        if self.queue_time_s is None:
+            self.queue_time_s = output.queue_time_s
         self.finish_reason = output.finish_reason
 
     @property
@@ -72,7 +76,7 @@ def usage(choices: list[ChoiceProgress]) -> Usage:
 _DONE = object()
 
 
-async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
     """Items of all streams as they arrive, tagged with their stream's index.
 
     An error in any stream is raised here; leaving early cancels every pump.

@@ -58,6 +58,10 @@ class Telemetry:
             "vllm:inter_token_latency_seconds", "Time between output tokens.", labels,
             buckets=_TOKEN_BUCKETS_S, registry=r,
         )  # fmt: skip
+        self._queue_time = Histogram(
+            "vllm:request_queue_time_seconds", "Time waiting in the engine before first scheduled.",
+            labels, buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
         self._e2e = Histogram(
             "vllm:e2e_request_latency_seconds", "Request latency, arrival to last token.", labels,
             buckets=_LATENCY_BUCKETS_S, registry=r,
@@ -98,6 +102,8 @@ class Telemetry:
         self._output_tokens_by_pool[record.pool] += choice.num_output_tokens
         for gap_s in choice.inter_token_s:
             self._itl.labels(*labels).observe(gap_s)
+        if choice.queue_time_s is not None:
+            self._queue_time.labels(*labels).observe(choice.queue_time_s)
         ttft_s = choice.ttft_s
         if ttft_s is None:
             return
@@ -149,7 +155,23 @@ _ENGINE_METRICS: tuple[tuple[type, str, str, Callable[[list[EngineStats]], float
      lambda stats: sum(s.prefix_cache_hits for s in stats)),
     (CounterMetricFamily, "vllm:num_preemptions", "Requests preempted.",
      lambda stats: sum(s.num_preemptions for s in stats)),
+    (CounterMetricFamily, "vllm:spec_decode_num_drafts", "Speculative steps proposed.",
+     lambda stats: sum(s.spec_num_drafts for s in stats)),
+    (CounterMetricFamily, "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+     lambda stats: sum(s.spec_num_draft_tokens for s in stats)),
+    (CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+     lambda stats: sum(s.spec_num_accepted_tokens for s in stats)),
 )  # fmt: skip
+
+
+def _accepted_per_pos(stats: list[EngineStats]) -> list[int]:
+    """Accepted draft tokens at each draft position, summed over replicas."""
+    num_positions = max((len(s.spec_accepted_per_pos) for s in stats), default=0)
+    totals = [0] * num_positions
+    for replica in stats:
+        for position, count in enumerate(replica.spec_accepted_per_pos):
+            totals[position] += count
+    return totals
 
 
 class _EngineCollector(Collector):
@@ -176,6 +198,7 @@ class _EngineCollector(Collector):
                     [self._model_name, pool], value(self._monitor.replica_stats(pool))
                 )
             yield family
+        yield self._accepted_per_pos_family()
         cost = GaugeMetricFamily(
             "tierserve:cost_per_1k_output_tokens", "Replica cost per 1k output tokens so far.",
             labels=labels,
@@ -183,6 +206,19 @@ class _EngineCollector(Collector):
         for pool in self._pools:
             cost.add_metric([self._model_name, pool], self._cost_per_1k(pool))
         yield cost
+
+    def _accepted_per_pos_family(self) -> Metric:
+        """vLLM's per-position acceptance: how deep into a draft the target model agrees."""
+        family = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position.",
+            labels=["model_name", "pool", "position"],
+        )
+        for pool in self._pools:
+            totals = _accepted_per_pos(self._monitor.replica_stats(pool))
+            for position, count in enumerate(totals):
+                family.add_metric([self._model_name, pool, str(position)], count)
+        return family
 
     def _cost_per_1k(self, pool: str) -> float:
         output_tokens = self._output_tokens_by_pool[pool]

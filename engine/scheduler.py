@@ -62,6 +62,8 @@ class Scheduler:
                 out.num_new_tokens[request] = num_new
                 budget -= num_new
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            if self.waiting[0] in out.preempted:
+                break  # just evicted for room: re-admitting it now would only thrash
             num_new = self._admit(self.waiting[0], budget, out)
             if num_new == 0:
                 break

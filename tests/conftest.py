@@ -16,6 +16,7 @@ from engine.loader import load_tokenizer
 # Two shared cores: extra torch threads only contend with each other (ENVIRONMENT.md).
 torch.set_num_threads(1)
 
+
 @pytest.fixture(scope="session")
 def make_engine() -> Callable[..., LLMEngine]:
     """`make_engine(**overrides)`: an idle fp32 engine, built once per distinct config."""

@@ -10,6 +10,8 @@ from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 
 TOKEN_DELAY_S = 0.005
+FAKE_NUM_DRAFTS = 10
+"""Drafts a speculating fake reports, each as long as `spec_accepted_per_pos`."""
 
 
 class FakeTokenizer:
@@ -35,6 +37,10 @@ class FakeEngine:
         self.max_model_len = config.max_model_len or 256
         self._max_num_seqs = config.max_num_seqs
         self._running: set[str] = set()
+        self.alive = True
+        """Set False to play an engine whose step loop died."""
+        self.spec_accepted_per_pos: list[int] = []
+        """Accepted draft tokens per position; non-empty plays a speculating engine."""
 
     async def generate(
         self,
@@ -75,7 +81,11 @@ class FakeEngine:
             prefix_cache_hits=0,
             num_preemptions=0,
             generation_tokens_per_s=0.0,
+            spec_num_drafts=FAKE_NUM_DRAFTS if self.spec_accepted_per_pos else 0,
+            spec_num_draft_tokens=FAKE_NUM_DRAFTS * len(self.spec_accepted_per_pos),
+            spec_num_accepted_tokens=sum(self.spec_accepted_per_pos),
+            spec_accepted_per_pos=list(self.spec_accepted_per_pos),
         )
 
     def is_alive(self) -> bool:
-        return True
+        return self.alive

@@ -1,10 +1,8 @@
-"""Start a tierserve app on a private Ray cluster and HTTP port, for integration tests."""
+"""Integration-test helpers: the app on a private Ray cluster (with the test fakes importable),
+and /metrics read back by name and labels."""
 
 from __future__ import annotations
 
-import os
-import socket
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,60 +10,35 @@ from pathlib import Path
 
 import httpx
 
-# Ray 2.60 local clusters turn on token auth, which breaks serve shutdown in tests.
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+from app import local_cluster
+from app.config import TierserveConfig
+from deployments.pool import EngineFactory
 
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
-
-from app.builder import build_app  # noqa: E402
-from app.config import TierserveConfig  # noqa: E402
-from deployments.pool import Engine  # noqa: E402
-
-READY_TIMEOUT_S = 300.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker_env() -> dict[str, str]:
-    """Workers import the repo's packages and the test fakes, and use one torch thread."""
-    tests_dir = Path(__file__).resolve().parent
-    python_path = os.pathsep.join([str(tests_dir.parent), str(tests_dir)])
-    return {"RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path}
+TESTS_DIR = Path(__file__).resolve().parent
 
 
 @contextmanager
-def serving(config: TierserveConfig, engine_cls: type[Engine] | None = None) -> Iterator[str]:
-    """Run the app until the block ends; yields its base URL once /health answers 200."""
-    port = _free_port()
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        _temp_dir=tempfile.mkdtemp(prefix="ts-ray-"),
-        runtime_env={"env_vars": _worker_env()},
-    )
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config, engine_cls), name="tierserve", route_prefix="/", blocking=False)
-        base_url = f"http://127.0.0.1:{port}"
-        _wait_healthy(base_url)
+def serving(config: TierserveConfig, engine_cls: EngineFactory | None = None) -> Iterator[str]:
+    """local_cluster.serving, with tests/ on the workers' path so `fakes` imports there."""
+    with local_cluster.serving(config, engine_cls, python_path=[TESTS_DIR]) as base_url:
         yield base_url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
-def _wait_healthy(base_url: str) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"tierserve at {base_url} not healthy after {READY_TIMEOUT_S}s")
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """The first sample of `name` on /metrics whose labels include `labels`."""
+    text = httpx.get(f"{base_url}/metrics").text
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(w in line for w in want):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(f"{name} {labels} not in /metrics")
+
+
+def wait_for_metric(
+    base_url: str, name: str, value: float, timeout_s: float, **labels: str
+) -> None:
+    """Poll until the metric reads `value` (stats reach /metrics one poll period late)."""
+    deadline = time.monotonic() + timeout_s
+    while metric(base_url, name, **labels) != value and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(base_url, name, **labels) == value

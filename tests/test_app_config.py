@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 from pydantic import ValidationError
+from ray.serve import Application
 from ray.serve.schema import ServeDeploySchema
 
+from app.builder import app_builder
 from app.config import TierserveConfig, load_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -81,3 +83,9 @@ def test_engine_settings_use_the_engines_own_validation() -> None:
     args["pools"][0]["engine"]["dtype"] = "int3"
     with pytest.raises(ValidationError, match="dtype must be one of"):
         TierserveConfig.model_validate(args)
+
+
+def test_app_builder_takes_the_raw_args_of_a_serve_config() -> None:
+    """`serve run` hands the builder a plain dict, not the annotated model."""
+    application = app_builder(_args())
+    assert isinstance(application, Application)

@@ -102,17 +102,28 @@ def test_earliest_of_several_stop_strings_wins():
     assert filter_stream(("world", "lo"), ["hello world"]) == ("hel", True)
 
 
+def unbuffered_stop(stop: tuple[str, ...], pieces: list[str]) -> tuple[str, bool]:
+    """The reference: search everything seen so far after each piece, hold nothing back."""
+    seen = ""
+    for piece in pieces:
+        seen += piece
+        starts = [seen.find(s) for s in stop if s in seen]
+        if starts:
+            return seen[: min(starts)], True
+    return seen, False
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     text=st.text(alphabet="abc", max_size=30),
     stop=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
     cuts=st.lists(st.integers(0, 100), max_size=8),
 )
-def test_filter_emits_exactly_the_text_before_the_first_stop(text, stop, cuts):
-    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
-    first_hit = min(hits, default=len(text))
+def test_filter_holding_back_gives_what_an_unbuffered_search_gives(text, stop, cuts):
     pieces = ["".join(p) for p in split(list(text), cuts)]
-    assert filter_stream(tuple(stop), pieces) == (text[:first_hit], bool(hits))
+    emitted, hit = filter_stream(tuple(stop), pieces)
+    assert (emitted, hit) == unbuffered_stop(tuple(stop), pieces)
+    assert not any(s in emitted for s in stop)
 
 
 # ---- through the engine -----------------------------------------------------------

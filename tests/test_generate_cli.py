@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from engine import generate
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,7 +34,6 @@ def test_cli_streams_the_answer_and_a_summary():
     assert re.search(summary, result.stderr)
 
 
-def test_cli_rejects_bad_input_with_a_message():
-    result = run_cli("--prompt", "Hi", "--max-tokens", "0")
-    assert result.returncode != 0
-    assert "max_tokens must be >= 1" in result.stderr
+def test_cli_rejects_bad_input_before_loading_a_model():
+    with pytest.raises(SystemExit, match="error: max_tokens must be >= 1"):
+        generate.main(["--prompt", "Hi", "--max-tokens", "0"])

@@ -142,7 +142,7 @@ def test_prefix_caching_disabled_never_hits():
     kv = KVCacheManager(16, BLOCK_SIZE, enable_prefix_caching=False)
     compute_all(kv, make_request("first", list(range(10))))
     assert kv.find_cached_prefix(make_request("second", list(range(10)))) == []
-    assert kv.num_queries == 0
+    assert kv.num_hits == 0
 
 
 # ---- property test -------------------------------------------------------------
@@ -197,11 +197,11 @@ class KVCacheMachine(RuleBasedStateMachine):
     def share_a_live_prefix(self, data: st.DataObject) -> None:
         """A live request's computed full blocks cannot be evicted: a copy must hit them all."""
         source = self.pick(data)
-        length = data.draw(st.integers(1, source.num_tokens))
-        hits_before = self.kv.num_hits
-        copy = self.admit(source.token_ids[:length])
-        expected_hits = min(source.num_computed_tokens, length - 1) // BLOCK_SIZE
-        assert self.kv.num_hits - hits_before >= expected_hits * BLOCK_SIZE
+        prefix = source.token_ids[: data.draw(st.integers(1, source.num_tokens))]
+        hits = self.kv.find_cached_prefix(make_request("probe", prefix))
+        expected_hits = min(source.num_computed_tokens, len(prefix) - 1) // BLOCK_SIZE
+        assert len(hits) >= expected_hits
+        copy = self.admit(prefix)
         if copy is not None:
             assert copy.block_ids[:expected_hits] == source.block_ids[:expected_hits]
 

@@ -6,14 +6,13 @@ One app per module; each test sends a few short requests.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 from fakes import FakeEngine
-from serve_harness import serving
+from serve_harness import metric, serving, wait_for_metric
 
 from app.config import ApiKeyConfig, GatewayConfig, TierserveConfig, load_config
 
@@ -183,25 +182,7 @@ def test_standard_overflows_to_offline_when_interactive_is_full(base_url: str) -
     assert refused.status_code == 429  # ... but not past the queue limit
     assert int(refused.headers["retry-after"]) >= 1
     assert refused.json()["error"]["type"] == "rate_limit_exceeded"
-    _wait_for_metric(base_url, "vllm:num_requests_running", 0, timeout_s=5, pool="interactive")
-
-
-def _metric(base_url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{base_url}/metrics").text
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(w in line for w in want):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(f"{name} {labels} not in /metrics")
-
-
-def _wait_for_metric(
-    base_url: str, name: str, value: float, timeout_s: float, **labels: str
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while _metric(base_url, name, **labels) != value and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _metric(base_url, name, **labels) == value
+    wait_for_metric(base_url, "vllm:num_requests_running", 0, timeout_s=5, pool="interactive")
 
 
 def test_disconnect_aborts_the_request_in_the_engine(base_url: str) -> None:
@@ -211,10 +192,10 @@ def test_disconnect_aborts_the_request_in_the_engine(base_url: str) -> None:
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers) as r:
         lines = r.iter_lines()  # kept: a dropped iterator would close the stream at once
         next(lines)
-        _wait_for_metric(base_url, "vllm:num_requests_running", 1, timeout_s=3, pool="offline")
-    _wait_for_metric(base_url, "vllm:num_requests_running", 0, timeout_s=3, pool="offline")
-    assert _metric(base_url, "vllm:kv_cache_usage_perc", pool="offline") == 0
-    assert _metric(base_url, "tierserve:requests_total", tier="batch", status="aborted") >= 1
+        wait_for_metric(base_url, "vllm:num_requests_running", 1, timeout_s=3, pool="offline")
+    wait_for_metric(base_url, "vllm:num_requests_running", 0, timeout_s=3, pool="offline")
+    assert metric(base_url, "vllm:kv_cache_usage_perc", pool="offline") == 0
+    assert metric(base_url, "tierserve:requests_total", tier="batch", status="aborted") >= 1
 
 
 def _post(base_url: str, path: str, body: object, key: str | None = KEY) -> httpx.Response:
@@ -295,4 +276,4 @@ def test_models_health_and_metrics(base_url: str, client: openai.OpenAI) -> None
         "tierserve:slo_met_total", "tierserve:cost_per_1k_output_tokens",
     ]:  # fmt: skip
         assert name in text, name
-    assert _metric(base_url, "tierserve:slo_checked_total", tier="interactive") >= 1
+    assert metric(base_url, "tierserve:slo_checked_total", tier="interactive") >= 1

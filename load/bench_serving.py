@@ -1,0 +1,247 @@
+"""Serving benchmark: latency per SLA tier through Ray Serve, and what the Serve path adds.
+
+  python -m load.bench_serving [--quick] [--config configs/local.yaml]
+
+Starts the app of the config file on a private local Ray cluster, then, for
+each tier and concurrency, runs a closed loop: N workers each stream one chat
+completion (greedy, 64 output tokens with EOS ignored, prompts of 128 tokens
+after the chat template) and send the next as soon as it ends. A 429 is
+retried after its Retry-After, as clients do, and counted. Client-side TTFT
+(to the first content delta), TPOT ((last - first token) / (tokens - 1), per
+request), end-to-end latency and output tok/s are printed as JSON lines named
+as in BENCHMARKS.md. A run with longer, varied prompts (256-1024 tokens) on
+the standard tier follows, its metrics suffixed `.long`.
+
+Last, the Serve path's TTFT overhead: the same fresh prompts (cold in every
+prefix cache), one at a time, through Serve and through an in-process
+AsyncLLMEngine built with the interactive pool's engine config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from app.config import TierserveConfig, load_config
+from app.local_cluster import serving
+from deployments.openai_api import ChatEndpoint
+from engine.config import default_cache_dir
+from engine.loader import load_tokenizer
+from engine.sampling_params import SamplingParams
+from load.prompts import chat_turn
+from load.report import emit, log
+
+BENCH = "serving"
+TIERS = ("interactive", "standard", "batch")
+PROMPT_TOKENS = 128
+LONG_PROMPT_TOKENS = (256, 1024)
+OUTPUT_TOKENS = 64
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    concurrencies: tuple[int, ...]
+    requests_per_worker: int
+    long_requests: int
+    overhead_requests: int
+
+
+FULL = Plan(concurrencies=(1, 4, 16), requests_per_worker=3, long_requests=16, overhead_requests=10)
+QUICK = Plan(concurrencies=(1, 4), requests_per_worker=1, long_requests=4, overhead_requests=4)
+
+
+@dataclass(frozen=True)
+class Result:
+    """One streamed request as the client saw it (times in seconds from its send)."""
+
+    ttft_s: float
+    e2e_s: float
+    num_output_tokens: int
+    num_prompt_tokens: int
+    num_rejected: int
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.num_output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.num_output_tokens - 1)
+
+
+class Prompts:
+    """Chat bodies whose templated prompt has an exact token count (up to re-tokenizing)."""
+
+    def __init__(self, tokenizer: Any, model: str, seed: int) -> None:
+        self._tokenizer = tokenizer
+        self._model = model
+        self._rng = random.Random(seed)
+        self._overhead = len(self._ids(""))
+
+    def body(self, num_tokens: int, max_tokens: int) -> dict[str, Any]:
+        words = self._tokenizer.encode(chat_turn(num_tokens, self._rng), add_special_tokens=False)
+        content = self._tokenizer.decode(words[: max(1, num_tokens - self._overhead)])
+        return {
+            "model": self._model, "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True},
+        }  # fmt: skip
+
+    def prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        """The token ids the ingress makes of `body`: the same code path, not a copy."""
+        (ids,) = ChatEndpoint.prompt_ids(ChatEndpoint.schema.model_validate(body), self._tokenizer)
+        return ids
+
+    def _ids(self, content: str) -> list[int]:
+        return self.prompt_ids(
+            {"model": self._model, "messages": [{"role": "user", "content": content}]}
+        )
+
+
+async def stream_chat(http: httpx.AsyncClient, body: dict[str, Any], tier: str) -> Result:
+    """Send one streaming chat completion, retrying 429s after their Retry-After."""
+    for num_rejected in range(100):
+        start_s = time.perf_counter()
+        first_s: float | None = None
+        usage: dict[str, int] = {}
+        headers = {"X-SLA-Tier": tier}
+        async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+            if r.status_code == 429:
+                await asyncio.sleep(float(r.headers.get("retry-after", 1)))
+                continue
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                if first_s is None and any(c["delta"].get("content") for c in chunk["choices"]):
+                    first_s = time.perf_counter()
+                usage = chunk.get("usage") or usage
+        end_s = time.perf_counter()
+        assert first_s is not None, "stream ended without a token"
+        return Result(
+            first_s - start_s, end_s - start_s, usage["completion_tokens"],
+            usage["prompt_tokens"], num_rejected,
+        )  # fmt: skip
+    raise RuntimeError("rejected 100 times in a row")
+
+
+async def closed_loop(
+    base_url: str, tier: str, bodies: list[dict[str, Any]], concurrency: int
+) -> tuple[list[Result], float]:
+    """Every body sent by `concurrency` workers, each starting its next as its last ends."""
+    queue = list(reversed(bodies))
+    results: list[Result] = []
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        while queue:
+            results.append(await stream_chat(http, queue.pop(), tier))
+
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as http:
+        start_s = time.perf_counter()
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+    return results, time.perf_counter() - start_s
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]; one value is its own every percentile."""
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def report(
+    results: list[Result], wall_s: float, tier: str, concurrency: int, suffix: str = ""
+) -> None:
+    """The BENCHMARKS.md metrics of one closed-loop run."""
+    name = f"{tier}.c{concurrency}{suffix}"
+    extra = {
+        "n": len(results),
+        "prompt_tokens_mean": statistics.mean(r.num_prompt_tokens for r in results),
+        "output_tokens": OUTPUT_TOKENS,
+        "rejected_429": sum(r.num_rejected for r in results),
+    }
+    ttft = [r.ttft_s * 1000 for r in results]
+    tpot = [r.tpot_s * 1000 for r in results if r.tpot_s is not None]
+    e2e = [r.e2e_s * 1000 for r in results]
+    for q in (50, 95, 99):
+        emit(BENCH, f"ttft_ms.p{q}.{name}", percentile(ttft, q), "ms", **extra)
+    for q in (50, 95):
+        emit(BENCH, f"tpot_ms.p{q}.{name}", percentile(tpot, q), "ms", **extra)
+    for q in (50, 95, 99):
+        emit(BENCH, f"e2e_ms.p{q}.{name}", percentile(e2e, q), "ms", **extra)
+    num_tokens = sum(r.num_output_tokens for r in results)
+    emit(BENCH, f"throughput_tok_s.{name}", num_tokens / wall_s, "tok/s", **extra)
+
+
+async def engine_ttft_s(config: TierserveConfig, prompts: list[list[int]]) -> list[float]:
+    """TTFT of each prompt, one at a time, on an in-process engine like the interactive pool's."""
+    from engine.engine import AsyncLLMEngine  # loads torch and the model; only this part needs it
+
+    engine = AsyncLLMEngine(config.pool("interactive").engine)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    ttfts = []
+    for ids in prompts:
+        start_s = time.perf_counter()
+        async for _ in engine.generate(ids, params, uuid.uuid4().hex):
+            ttfts.append(time.perf_counter() - start_s)
+            break
+    return ttfts
+
+
+async def serve_overhead(base_url: str, config: TierserveConfig, prompts: Prompts, n: int) -> None:
+    """Median TTFT via Serve minus median TTFT on the engine itself, same cold prompts, c=1."""
+    bodies = [prompts.body(PROMPT_TOKENS, max_tokens=1) for _ in range(n)]
+    serve_results, _ = await closed_loop(base_url, "interactive", bodies, concurrency=1)
+    engine_s = await engine_ttft_s(config, [prompts.prompt_ids(b) for b in bodies])
+    serve_ms = statistics.median(r.ttft_s for r in serve_results) * 1000
+    engine_ms = statistics.median(engine_s) * 1000
+    emit(BENCH, "ttft_ms.p50.serve_path.c1", serve_ms, "ms", n=n)
+    emit(BENCH, "ttft_ms.p50.engine_direct.c1", engine_ms, "ms", n=n)
+    emit(BENCH, "ttft_overhead_ms.serve_vs_engine", serve_ms - engine_ms, "ms", n=n)
+
+
+async def run(base_url: str, config: TierserveConfig, prompts: Prompts, plan: Plan) -> None:
+    for tier in TIERS:
+        for concurrency in plan.concurrencies:
+            bodies = [prompts.body(PROMPT_TOKENS, OUTPUT_TOKENS)
+                      for _ in range(concurrency * plan.requests_per_worker)]  # fmt: skip
+            log(f"--- {tier} c{concurrency}: {len(bodies)} requests")
+            report(*await closed_loop(base_url, tier, bodies, concurrency), tier, concurrency)
+    rng = random.Random(SEED)
+    bodies = [prompts.body(rng.randint(*LONG_PROMPT_TOKENS), OUTPUT_TOKENS)
+              for _ in range(plan.long_requests)]  # fmt: skip
+    log(f"--- standard c4, long prompts: {len(bodies)} requests")
+    report(*await closed_loop(base_url, "standard", bodies, 4), "standard", 4, suffix=".long")
+    await serve_overhead(base_url, config, prompts, plan.overhead_requests)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="c1 and c4 only, fewer requests")
+    parser.add_argument("--config", default="configs/local.yaml")
+    args = parser.parse_args()
+    config = load_config(args.config)
+    prompts = Prompts(load_tokenizer("default", default_cache_dir()), config.model_name, SEED)
+    start_s = time.perf_counter()
+    with serving(config) as base_url:
+        log(f"serving at {base_url} after {time.perf_counter() - start_s:.0f} s")
+        asyncio.run(run(base_url, config, prompts, QUICK if args.quick else FULL))
+    log(f"done in {time.perf_counter() - start_s:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

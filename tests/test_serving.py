@@ -1,0 +1,130 @@
+"""The Serve app end to end with the real engine: real Ray Serve, HTTP and the `openai` client.
+
+One app for the module (two pools, each one fp32 engine on the default model,
+one torch thread); every request is a few greedy tokens so the module runs
+in about a minute. Counts are checked against the real tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import httpx
+import openai
+import pytest
+from serve_harness import metric, serving, wait_for_metric
+
+from app.config import TierserveConfig, load_config
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 1024
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _config() -> TierserveConfig:
+    """configs/local.yaml (speculation on the interactive pool), with small exact engines."""
+    base = load_config("configs/local.yaml")
+    small = {"dtype": "float32", "num_kv_blocks": 64, "max_model_len": MAX_MODEL_LEN}
+    pools = tuple(
+        pool.model_copy(update={"engine": replace(pool.engine, **small)}) for pool in base.pools
+    )
+    return base.model_copy(update={"pools": pools, "stats_poll_interval_s": 0.1})
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    with serving(_config()) as url:
+        yield url
+
+
+@pytest.fixture
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def _num_chat_tokens(tokenizer, messages: list[dict[str, str]]) -> int:
+    """The prompt length by the tokenizer's own tokenizing template (not the ingress's path)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return len(ids if isinstance(ids, list) else ids["input_ids"])  # transformers 5: a mapping
+
+
+def test_greedy_chat_answers_and_counts_tokens(client: openai.OpenAI, tokenizer) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=12,
+        extra_headers={"X-SLA-Tier": "interactive"},
+    )  # fmt: skip
+    completion = raw.parse()
+    answer = completion.choices[0].message.content
+    assert "Paris" in answer
+    assert raw.headers["x-tierserve-pool"] == "interactive"
+    usage = completion.usage
+    assert usage.prompt_tokens == _num_chat_tokens(tokenizer, QUESTION)
+    num_answer_tokens = len(tokenizer.encode(answer, add_special_tokens=False))
+    if completion.choices[0].finish_reason == "stop":  # the end token is counted, not shown
+        assert usage.completion_tokens == num_answer_tokens + 1
+    else:
+        assert usage.completion_tokens == 12
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_stream_on_the_offline_pool_matches_the_speculating_pool(client: openai.OpenAI) -> None:
+    """Greedy text is the same streamed or not, with speculation (interactive) or without."""
+    whole = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=12
+    )
+    stream = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=12, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"X-SLA-Tier": "batch"},
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage == whole.usage
+
+
+@pytest.mark.parametrize(
+    ("tier", "pool"),
+    [("interactive", "interactive"), ("standard", "interactive"), ("batch", "offline")],
+)
+def test_tier_header_routes_to_the_configured_pool(
+    client: openai.OpenAI, tier: str, pool: str
+) -> None:
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="Hello", max_tokens=1, extra_headers={"X-SLA-Tier": tier}
+    )
+    assert raw.headers["x-tierserve-pool"] == pool
+    assert raw.parse().usage.completion_tokens == 1
+
+
+def test_completion_usage_counts_the_prompt_tokens(client: openai.OpenAI, tokenizer) -> None:
+    prompt = "The quick brown fox jumps over"
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    assert completion.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert completion.usage.completion_tokens == 3
+
+
+def test_disconnect_mid_stream_frees_the_kv_blocks(base_url: str) -> None:
+    body = {
+        "model": MODEL, "messages": QUESTION, "max_tokens": 500, "ignore_eos": True,
+        "stream": True,
+    }  # fmt: skip
+    headers = {"X-SLA-Tier": "batch"}
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=headers) as r:
+        lines = r.iter_lines()  # kept: a dropped iterator would close the stream at once
+        next(lines)
+        wait_for_metric(base_url, "vllm:num_requests_running", 1, timeout_s=5, pool="offline")
+        assert metric(base_url, "vllm:kv_cache_usage_perc", pool="offline") > 0
+    wait_for_metric(base_url, "vllm:num_requests_running", 0, timeout_s=5, pool="offline")
+    wait_for_metric(base_url, "vllm:kv_cache_usage_perc", 0, timeout_s=5, pool="offline")
+
+
+def test_context_length_exceeded_names_the_real_token_counts(base_url: str, tokenizer) -> None:
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": MAX_MODEL_LEN}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    num_prompt = _num_chat_tokens(tokenizer, QUESTION)
+    for number in (MAX_MODEL_LEN, num_prompt + MAX_MODEL_LEN, num_prompt):
+        assert str(number) in error["message"]
