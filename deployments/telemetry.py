@@ -141,26 +141,31 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+def _sum(field: str) -> Callable[[list[EngineStats]], float]:
+    """The total of one EngineStats counter over the live replicas."""
+    return lambda stats: sum(getattr(s, field) for s in stats)
+
+
 # (family, name, help, value over the live replicas' stats)
 _ENGINE_METRICS: tuple[tuple[type, str, str, Callable[[list[EngineStats]], float]], ...] = (
     (GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch.",
-     lambda stats: sum(s.num_running for s in stats)),
+     _sum("num_running")),
     (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting in the engine.",
-     lambda stats: sum(s.num_waiting for s in stats)),
+     _sum("num_waiting")),
     (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1, mean of replicas.",
      lambda stats: _mean([s.kv_cache_usage for s in stats])),
     (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the cache.",
-     lambda stats: sum(s.prefix_cache_queries for s in stats)),
+     _sum("prefix_cache_queries")),
     (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-     lambda stats: sum(s.prefix_cache_hits for s in stats)),
+     _sum("prefix_cache_hits")),
     (CounterMetricFamily, "vllm:num_preemptions", "Requests preempted.",
-     lambda stats: sum(s.num_preemptions for s in stats)),
+     _sum("num_preemptions")),
     (CounterMetricFamily, "vllm:spec_decode_num_drafts", "Speculative steps proposed.",
-     lambda stats: sum(s.spec_num_drafts for s in stats)),
+     _sum("spec_num_drafts")),
     (CounterMetricFamily, "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.",
-     lambda stats: sum(s.spec_num_draft_tokens for s in stats)),
+     _sum("spec_num_draft_tokens")),
     (CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-     lambda stats: sum(s.spec_num_accepted_tokens for s in stats)),
+     _sum("spec_num_accepted_tokens")),
 )  # fmt: skip
 
 

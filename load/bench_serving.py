@@ -37,7 +37,7 @@ from deployments.openai_api import ChatEndpoint
 from engine.config import default_cache_dir
 from engine.loader import load_tokenizer
 from engine.sampling_params import SamplingParams
-from load.prompts import chat_turn
+from load.prompts import QUESTIONS, passage
 from load.report import emit, log
 
 BENCH = "serving"
@@ -87,8 +87,11 @@ class Prompts:
         self._overhead = len(self._ids(""))
 
     def body(self, num_tokens: int, max_tokens: int) -> dict[str, Any]:
-        words = self._tokenizer.encode(chat_turn(num_tokens, self._rng), add_special_tokens=False)
-        content = self._tokenizer.decode(words[: max(1, num_tokens - self._overhead)])
+        question = "\n\n" + self._rng.choice(QUESTIONS)
+        budget = num_tokens - self._overhead - len(self._encode(question))
+        # Twice the words needed, then cut to the token budget: the question stays whole.
+        text_ids = self._encode(passage(2 * num_tokens, self._rng))[: max(1, budget)]
+        content = self._tokenizer.decode(text_ids) + question
         return {
             "model": self._model, "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
@@ -99,6 +102,9 @@ class Prompts:
         """The token ids the ingress makes of `body`: the same code path, not a copy."""
         (ids,) = ChatEndpoint.prompt_ids(ChatEndpoint.schema.model_validate(body), self._tokenizer)
         return ids
+
+    def _encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
 
     def _ids(self, content: str) -> list[int]:
         return self.prompt_ids(
