@@ -70,7 +70,7 @@ EngineFactory = Callable[[EngineConfig], Engine]
 
 
 def _default_engine_cls() -> EngineFactory:
-    from engine.engine import AsyncLLMEngine  # imported here: it loads torch and the model code
+    from engine.async_engine import AsyncLLMEngine  # imported here: it loads torch and the model code
 
     return AsyncLLMEngine
 

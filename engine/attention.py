@@ -51,11 +51,11 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """Describe one step: sequence b computes its last `q_lens[b]` of `kv_lens[b]` tokens."""
         starts = torch.cumsum(torch.tensor([0] + q_lens[:-1]), 0).tolist()
-        seqs = [_Seq(*fields) for fields in zip(q_lens, kv_lens, block_tables, starts)]
+        seqs = [_Seq(*fields) for fields in zip(q_lens, kv_lens, block_tables, starts, strict=True)]
         positions = [torch.arange(s.kv_len - s.q_len, s.kv_len) for s in seqs]
         slots = [
             torch.tensor(s.block_table)[pos // block_size] * block_size + pos % block_size
-            for s, pos in zip(seqs, positions)
+            for s, pos in zip(seqs, positions, strict=True)
         ]
         short = [s for s in seqs if s.q_len <= SHORT_QUERY_MAX]
         groups = [_group(short, block_size)] if short else []
@@ -114,7 +114,13 @@ def _to(group: AttentionGroup, device: torch.device | str) -> AttentionGroup:
     def move(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device)
 
-    return AttentionGroup(*(move(getattr(group, f)) for f in AttentionGroup.__dataclass_fields__))
+    return AttentionGroup(
+        token_index=group.token_index.to(device),
+        query_index=group.query_index.to(device),
+        unpad_index=group.unpad_index.to(device),
+        block_index=move(group.block_index),
+        mask=move(group.mask),
+    )
 
 
 def paged_attention(

@@ -35,7 +35,7 @@ class IncrementalDetokenizer:
         return full[len(seen) :]
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
 
 class StopStringFilter:

@@ -1,19 +1,14 @@
-"""The engine: a synchronous step loop, and an asyncio front that runs it in a thread.
+"""The synchronous engine: requests in, one `step()` at a time, deltas out.
 
-One `LLMEngine.step()` is: schedule, pack and run the model, sample, then
-append tokens, detokenize and check stops. `AsyncLLMEngine` drives `step()`
-from a background thread (torch releases the GIL in its kernels, so the event
-loop stays responsive) and hands every request its own stream of deltas.
+One step is: (propose drafts,) schedule, pack and run the model, sample or
+verify, then append tokens, roll back draft lookahead, detokenize and check
+stops. `engine.async_engine.AsyncLLMEngine` drives it from a thread.
 """
 
 from __future__ import annotations
 
-import asyncio
-import queue
-import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import torch
@@ -144,7 +139,9 @@ class LLMEngine:
             self._note_first_scheduled(self.requests[request.request_id])
         outputs = [
             self._emit(request, rows)
-            for request, rows in zip(batch.sampling_requests, logits.split(batch.num_logits_rows))
+            for request, rows in zip(
+                batch.sampling_requests, logits.split(batch.num_logits_rows), strict=True
+            )
         ]
         for request in scheduled.num_new_tokens:
             if not request.is_finished:
@@ -291,104 +288,3 @@ def _eos_token_ids(tokenizer) -> set[int]:
 
 def _draw_seed(source: torch.Generator) -> int:
     return int(torch.randint(0, 2**62, (1,), generator=source))
-
-
-class AsyncLLMEngine:
-    """asyncio front: `generate` streams deltas; the step loop runs in a daemon thread.
-
-    Requests and aborts reach the loop through a thread-safe inbox; outputs
-    come back through each stream's asyncio.Queue on the caller's event loop.
-    """
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
-        self.tokenizer = self.engine.tokenizer
-        self.max_model_len = self.engine.max_model_len
-        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stats = self.engine.stats()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
-        self._thread.start()
-
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's deltas; stopping iteration early aborts it."""
-        self.engine.validate(prompt_token_ids, params)
-        if self._error is not None:
-            raise RuntimeError("engine loop is dead") from self._error
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._send(("add", request_id, prompt_token_ids, params, priority))
-        finished = False
-        try:
-            while not finished:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
-
-    def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
-
-    def stats(self) -> EngineStats:
-        """The snapshot taken after the latest step (safe to read from any thread)."""
-        return self._stats
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive() and self._error is None
-
-    def _send(self, message: tuple) -> None:
-        self._inbox.put(message)
-        self._wake.set()
-
-    def _run_loop(self) -> None:
-        try:
-            while True:
-                self._drain_inbox()
-                if not self.engine.has_unfinished():
-                    self._wake.wait()
-                    self._wake.clear()
-                    continue
-                for output in self.engine.step():
-                    self._deliver(output.request_id, output)
-                self._stats = self.engine.stats()
-        except BaseException as exc:  # surfaced to every waiting stream
-            self._error = exc
-            for request_id in list(self._streams):
-                self._deliver(request_id, RuntimeError(f"engine loop died: {exc!r}"))
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if message[0] == "add":
-                self._add(*message[1:])
-            elif (aborted := self.engine.abort_request(message[1])) is not None:
-                self._deliver(aborted.request_id, aborted)  # ends a stream still being read
-            self._stats = self.engine.stats()
-
-    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int) -> None:
-        try:
-            self.engine.add_request(request_id, prompt, params, priority)
-        except ValueError as exc:
-            self._deliver(request_id, exc)
-
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)

@@ -45,9 +45,10 @@ def main(argv: list[str] | None = None) -> None:
         prompt_ids = tokenizer.encode(args.prompt)
     else:
         messages = [{"role": "user", "content": args.prompt}]
-        prompt_ids = tokenizer.apply_chat_template(
+        encoded = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )["input_ids"]
+        )
+        prompt_ids = list(encoded["input_ids"])  # type: ignore[call-overload,index]
     try:
         engine.add_request("cli", prompt_ids, params)
     except ValueError as exc:

@@ -77,7 +77,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     # transformers refuses to save a GGUF-loaded model while it still carries
     # the GGUF quantizer; the tensors themselves are plain fp32 by now.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     partial = target.with_name(target.name + ".partial")

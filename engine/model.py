@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,7 @@ class ModelArgs:
         ):
             raise ValueError(f"unsupported architecture {archs}: a Llama-family model is needed")
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope_theta = float(cfg.get("rope_theta", rope.pop("rope_theta", 10000.0)))
+        rope_theta = float(cfg.get("rope_theta") or rope.pop("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         heads = cfg["num_attention_heads"]
         return cls(
@@ -101,16 +101,23 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(args))
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, head_dim]
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
+        """cos/sin at these positions, looked up once per forward and shared by all layers."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+Rotation = tuple[torch.Tensor, torch.Tensor]
+
+
+def rotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+    cos, sin = rotation
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -143,15 +150,14 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(
-        self, x: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata | None
+        self, x: torch.Tensor, rotation: Rotation, meta: AttentionMetadata | None
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        positions = meta.positions if meta is not None else torch.arange(num_tokens, device=x.device)
-        q, k = rope(positions, q, k)
+        q, k = rotate(q, rotation), rotate(k, rotation)
         if meta is None:
             out = _dense_causal_attention(q, k, v)
         else:
@@ -191,9 +197,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
 
     def forward(
-        self, x: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata | None
+        self, x: torch.Tensor, rotation: Rotation, meta: AttentionMetadata | None
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rotation, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -213,9 +219,17 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] for packed tokens [T]; `meta=None` means one
         sequence attending to itself without the cache."""
         x = self.embed_tokens(input_ids)
+        if meta is None:
+            positions = torch.arange(input_ids.shape[0], device=input_ids.device)
+        else:
+            positions = meta.positions
+        rotation = self.rope(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, self.rope, meta)
+            x = layer(x, rotation, meta)
         return self.norm(x)
+
+    def attention_layers(self) -> list[Attention]:
+        return [cast(DecoderLayer, layer).self_attn for layer in self.layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the rows that are sampled (computing them for every
@@ -232,9 +246,9 @@ class LlamaForCausalLM(nn.Module):
             _strip(name): t for name, t in hf_state.items() if self._wants(_strip(name))
         }
         for i in range(self.args.num_layers):
-            prefix = f"layers.{i}."
-            _fuse(state, prefix + "self_attn.qkv_proj", [prefix + f"self_attn.{p}_proj" for p in "qkv"])
-            _fuse(state, prefix + "mlp.gate_up_proj", [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"])
+            attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+            _fuse(state, attn + "qkv_proj", [attn + f"{p}_proj" for p in "qkv"])
+            _fuse(state, mlp + "gate_up_proj", [mlp + "gate_proj", mlp + "up_proj"])
         if self.args.tie_word_embeddings:
             state.pop("lm_head.weight", None)
             state["lm_head.weight"] = state["embed_tokens.weight"]

@@ -42,9 +42,9 @@ class ModelRunner:
         args = self.model.args
         dtype = self.model.embed_tokens.weight.dtype
         shape = (num_blocks * self.block_size, args.num_kv_heads, args.head_dim)
-        for layer in self.model.layers:
-            layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-            layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        for attention in self.model.attention_layers():
+            attention.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            attention.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
 
     @staticmethod
     def bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -54,7 +54,11 @@ class ModelRunner:
 
     def prepare(self, num_new_tokens: dict[Request, int]) -> StepBatch:
         input_ids: list[int] = []
-        q_lens, kv_lens, tables, logits_rows, num_rows = [], [], [], [], []
+        q_lens: list[int] = []
+        kv_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_rows: list[int] = []
+        num_rows: list[int] = []
         sampling: list[Request] = []
         for request, num_new in num_new_tokens.items():
             start = request.num_computed_tokens

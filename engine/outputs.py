@@ -48,7 +48,9 @@ class EngineStats:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        if not self.prefix_cache_queries:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
 
     @property
     def spec_acceptance_rate(self) -> float:

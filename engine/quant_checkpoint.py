@@ -177,4 +177,6 @@ def _read_tensors(path: Path, expected_sha256: str) -> dict[str, torch.Tensor]:
         raise ValueError(f"{path} is corrupt ({error}): delete it to re-quantize") from error
     if _checksum(tensors) != expected_sha256:
         raise ValueError(f"{path} is corrupt (checksum mismatch): delete it to re-quantize")
-    return tensors
+    # Own, 64-byte aligned copies: the file's views are only 8-byte aligned,
+    # which the packed CPU kernels cannot take.
+    return {name: tensor.clone() for name, tensor in tensors.items()}

@@ -56,7 +56,7 @@ def adjust_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: list[int], penalty: float) -> torch.Tensor:
-    """CTRL's penalty as HF applies it: shrink positive logits of seen tokens, grow negative ones."""
+    """CTRL's penalty as HF applies it: positive logits of seen tokens shrink, negative grow."""
     index = torch.tensor(sorted(set(seen)), dtype=torch.long)
     picked = logits[index]
     logits = logits.clone()
@@ -104,7 +104,8 @@ def verify(
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens: list[int] = []
     for i, draft in enumerate(draft_token_ids):
-        token, accepted = _verify_one(logits[i], row, draft, None if draft_probs is None else draft_probs[i])
+        q = None if draft_probs is None else draft_probs[i]
+        token, accepted = _verify_one(logits[i], row, draft, q)
         tokens.append(token)
         if not accepted:
             break

@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from engine.kv_cache import KVBlock, KVCacheManager
+from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
 
 

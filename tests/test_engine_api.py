@@ -17,7 +17,8 @@ from engine_helpers import (
 )
 
 from engine.config import EngineConfig
-from engine.engine import AsyncLLMEngine, LLMEngine
+from engine.async_engine import AsyncLLMEngine
+from engine.engine import LLMEngine
 from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
 

@@ -80,6 +80,24 @@ def test_int8_cpu_path_falls_back_when_k_is_not_a_multiple_of_16() -> None:
     assert torch.isfinite(int8_mm.int8_mm_cpu(x, qweight, scales)).all()
 
 
+def _misaligned(tensor: torch.Tensor, offset_bytes: int = 8) -> torch.Tensor:
+    raw = torch.empty(tensor.numel() * tensor.element_size() + 128, dtype=torch.uint8)
+    start = (64 - raw.data_ptr() % 64) % 64 + offset_bytes
+    view = raw[start : start + tensor.numel() * tensor.element_size()]
+    return view.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_int8_cpu_path_survives_misaligned_tensors(rows: int) -> None:
+    """The packed op segfaults on 8-byte aligned operands (seen with torch 2.13)."""
+    qweight = torch.randint(-128, 128, (960, 576), dtype=torch.int8)
+    scales = (torch.rand(960) * 0.01).bfloat16()
+    x = torch.randn(rows, 576).bfloat16()
+    expected = int8_mm.int8_mm_reference(x.float(), qweight, scales.float())
+    actual = int8_mm.int8_mm_cpu(_misaligned(x), _misaligned(qweight), scales)
+    assert _rel_err(actual, expected) < 2e-2
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 64, 32), (5, 100, 72), (17, 67, 99)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_triton_matches_reference(interpreted, m: int, n: int, k: int, dtype) -> None:

@@ -119,6 +119,7 @@ def test_checkpoint_round_trip_reproduces_logits(tmp_path: Path, config: QuantCo
     tokens = torch.arange(12)
     assert torch.equal(loaded.compute_logits_dense(tokens), model.compute_logits_dense(tokens))
     assert loaded.lm_head.weight is loaded.embed_tokens.weight
+    assert all(t.data_ptr() % 64 == 0 for t in loaded.state_dict().values())
 
 
 def test_checkpoint_loads_into_a_meta_skeleton(tmp_path: Path) -> None:

@@ -230,6 +230,10 @@ def trace_books(engine: LLMEngine, prompt: list[int], params: SamplingParams) ->
         if tracked is None:  # finished: its blocks are gone
             break
         request = tracked.request
+        # Between steps a request holds blocks for its computed tokens and no more:
+        # the lookahead of rejected drafts has been given back.
+        assert len(request.block_ids) == -(-request.num_computed_tokens // engine.kv.block_size)
+        assert request.num_computed_tokens == request.num_tokens - 1 or not request.output_token_ids
         trace[request.num_output_tokens] = (
             len(request.block_ids),
             request.num_computed_tokens,
@@ -299,13 +303,8 @@ Rule = Callable[[torch.Tensor, SampleRow, list[int], torch.Tensor | None], tuple
 
 
 def always_accept(logits, row, draft_token_ids, draft_probs):
-    """A deliberately wrong rule: keep every draft, then sample a bonus token."""
-    bonus = int(
-        torch.multinomial(
-            probs_for(logits[len(draft_token_ids)], row.params), 1, generator=row.generator
-        )
-    )
-    return [*draft_token_ids, bonus], []
+    """A deliberately wrong rule: keep every draft (then a bonus token, here the argmax)."""
+    return [*draft_token_ids, int(logits[len(draft_token_ids)].argmax())], []
 
 
 def emitted_counts(

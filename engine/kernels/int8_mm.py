@@ -31,11 +31,18 @@ def int8_mm_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
 def int8_mm_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The fastest correct CPU path for the row count at hand.
 
-    The packed op returns garbage (or crashes) in bf16 unless K % 16 == 0.
+    The packed op (torch 2.13) returns garbage in bf16 unless K % 16 == 0, and
+    crashes the process on inputs or weights that are not 64-byte aligned
+    (safetensors hands out 8-byte aligned views), so those take the reference.
     """
-    if x.shape[0] <= PACKED_OP_MAX_ROWS and x.shape[1] % 16 == 0:
+    packed_ok = x.shape[1] % 16 == 0 and _aligned(x) and _aligned(qweight)
+    if x.shape[0] <= PACKED_OP_MAX_ROWS and packed_ok:
         return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
     return int8_mm_reference(x, qweight, scales)
+
+
+def _aligned(tensor: torch.Tensor) -> bool:
+    return tensor.data_ptr() % 64 == 0
 
 
 def int8_mm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
