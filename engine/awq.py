@@ -18,12 +18,13 @@ with no shrink is plain RTN, so neither step can do worse than RTN on them.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import cast
 
 import torch
 from torch import nn
+from transformers import PreTrainedTokenizerBase
 
 from engine.quant import AwqParams, fake_quantize
 
@@ -131,14 +132,22 @@ def _subsample(rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
 
 def calibration_token_ids(
-    path: Path = DEFAULT_CALIBRATION_PATH, split: str = "calib"
+    tokenizer: PreTrainedTokenizerBase, path: Path = DEFAULT_CALIBRATION_PATH, split: str = "calib"
 ) -> list[torch.Tensor]:
-    """Prompt + reference token ids of the project's calibration prompts (never the eval ones)."""
+    """The project's calibration prompts (never the eval ones) with their reference answers,
+    chat-templated and tokenized by `tokenizer`, so any model can be calibrated on them."""
     sequences = []
     for line in Path(path).read_text().splitlines():
         row = json.loads(line)
-        if row["split"] == split:
-            sequences.append(torch.tensor(row["prompt_ids"] + row["reference_ids"]))
+        if row["split"] != split:
+            continue
+        messages = [{"role": "user", "content": row["prompt"]}]
+        encoded = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        prompt = list(cast(Mapping[str, list[int]], encoded)["input_ids"])
+        answer = tokenizer.encode(row["reference"], add_special_tokens=False)
+        sequences.append(torch.tensor(prompt + answer))
     if not sequences:
         raise ValueError(f"no {split!r} prompts in {path}")
     return sequences

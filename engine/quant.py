@@ -3,12 +3,12 @@
 The quantized modules are drop-in replacements (same call, same output shape),
 so the model never knows (gpt-fast's way). INT8 keeps one scale per output
 channel; INT4 keeps a scale and a zero per group of input channels. Round to
-nearest ("rtn") quantizes the weight as it is; "awq" first searches a
-per-input-channel scale on calibration activations so that the channels that
-carry large activations lose less precision (AWQ, Lin et al. 2023). The AWQ
-scale is applied to the input inside the module instead of being folded into
-the previous layer, so the swap stays model-agnostic; it costs one [M, K]
-multiply per call.
+nearest ("rtn") quantizes the weight as it is; "awq" first searches, on
+calibration activations, a per-input-channel scale (so channels that carry
+large activations lose less precision) and a per-group range clip (AWQ, Lin
+et al. 2023). The AWQ scale is applied to the input inside the module instead
+of being folded into the previous layer, so the swap stays model-agnostic; it
+costs one [M, K] multiply per call.
 
 AWQ's search lives in engine/awq.py, checkpoints in engine/quant_checkpoint.py.
 """

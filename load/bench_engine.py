@@ -54,8 +54,12 @@ def hf_generate(hf, batch: list[list[int]], max_tokens: int, pad_id: int) -> int
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
     out = hf.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
-        min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad_id,
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+        pad_token_id=pad_id,
     )
     return (out.shape[1] - width) * len(batch)
 
@@ -69,7 +73,9 @@ def run_hf(hf, prompts: list[list[int]], batch_size: int, max_tokens: int, pad_i
 
 def decode_b1_tierserve(engine: LLMEngine, prompt: list[int], max_tokens: int) -> float:
     """Tokens/s after the first token, one request alone."""
-    engine.add_request("b1", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    engine.add_request(
+        "b1", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    )
     first, n = None, 0
     while engine.has_unfinished():
         n += sum(len(o.new_token_ids) for o in engine.step())
@@ -101,8 +107,13 @@ def mean_ttft_ms(engine: LLMEngine, prompts: list[list[int]]) -> float:
 
 
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
-    base = dict(dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=args.budget,
-                num_threads=args.threads, kv_cache_memory_gb=2.0)
+    base = dict(
+        dtype="bfloat16",
+        max_num_seqs=64,
+        max_num_batched_tokens=args.budget,
+        num_threads=args.threads,
+        kv_cache_memory_gb=2.0,
+    )
     return EngineConfig(**{**base, **overrides})
 
 
@@ -117,8 +128,10 @@ def main() -> None:
     n, out_len = (16, 64) if args.quick else (64, 128)
     n_seq, n_static = (2, 8) if args.quick else (4, 16)
     common = dict(threads=args.threads, dtype="bfloat16", seed=args.seed, quick=args.quick)
-    log(f"threads={args.threads} requests={n} output_tokens={out_len} "
-        f"hf_sequential_subset={n_seq} hf_static8_subset={n_static}")
+    log(
+        f"threads={args.threads} requests={n} output_tokens={out_len} "
+        f"hf_sequential_subset={n_seq} hf_static8_subset={n_static}"
+    )
 
     prompts = make_prompts(n, 100, 500, args.seed)
     engine = LLMEngine(engine_config(args))

@@ -193,7 +193,9 @@ def report(
 
 async def engine_ttft_s(config: TierserveConfig, prompts: list[list[int]]) -> list[float]:
     """TTFT of each prompt, one at a time, on an in-process engine like the interactive pool's."""
-    from engine.async_engine import AsyncLLMEngine  # loads torch and the model; only this part needs it
+    from engine.async_engine import (
+        AsyncLLMEngine,
+    )  # loads torch and the model; only this part needs it
 
     engine = AsyncLLMEngine(config.pool("interactive").engine)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)

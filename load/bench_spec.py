@@ -65,7 +65,9 @@ def load_prompts(engine: LLMEngine, prompt_set: str, limit: int | None) -> list[
 
 def chat_ids(engine: LLMEngine, text: str) -> list[int]:
     encoded = engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+        [{"role": "user", "content": text}],
+        add_generation_prompt=True,
+        tokenize=True,
         return_dict=True,
     )
     return list(encoded["input_ids"])
@@ -174,7 +176,8 @@ def compare(
         num_drafts=drafts,
         greedy_match_frac=sum(
             a.token_ids == b.token_ids for a, b in zip(base.results, sped.results, strict=True)
-        ) / len(prompts),
+        )
+        / len(prompts),
     )
     return base, sped, counters, plain_t, spec_t
 
@@ -190,21 +193,30 @@ def instrument_once(engine: LLMEngine) -> Timings:
 
 def engine_config(args: argparse.Namespace, spec: SpecDecodeConfig | None) -> EngineConfig:
     return EngineConfig(
-        dtype="bfloat16", num_threads=args.threads, kv_cache_memory_gb=0.25, max_num_seqs=8,
-        max_num_batched_tokens=512, seed=args.seed, spec_decode=spec,
+        dtype="bfloat16",
+        num_threads=args.threads,
+        kv_cache_memory_gb=0.25,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        seed=args.seed,
+        spec_decode=spec,
     )
 
 
 def ngram_spec(args: argparse.Namespace, k: int | None = None, ngram_min: int | None = None):
     return SpecDecodeConfig(
-        method="ngram", num_speculative_tokens=k or args.ngram_k,
-        ngram_min=ngram_min or args.ngram_min, ngram_max=args.ngram_max,
+        method="ngram",
+        num_speculative_tokens=k or args.ngram_k,
+        ngram_min=ngram_min or args.ngram_min,
+        ngram_max=args.ngram_max,
     )
 
 
 def draft_spec(args: argparse.Namespace, k: int | None = None, layers: int | None = None):
     return SpecDecodeConfig(
-        method="draft", num_speculative_tokens=k or args.draft_k, draft_model="default",
+        method="draft",
+        num_speculative_tokens=k or args.draft_k,
+        draft_model="default",
         draft_num_layers=layers or args.draft_layers,
     )
 
@@ -219,20 +231,34 @@ def report_profile(label: str, timings: Timings, common: dict) -> None:
     for name in names:
         if name in ("step", "forward_prefill") or timings.calls[name] < 3:
             continue
-        emit("spec", f"step_ms.{name}.{label}", timings.mean_ms(name), "ms",
-             calls=timings.calls[name], **common)
+        emit(
+            "spec",
+            f"step_ms.{name}.{label}",
+            timings.mean_ms(name),
+            "ms",
+            calls=timings.calls[name],
+            **common,
+        )
     step_s = timings.seconds["step"]
     parts = {n: s / step_s for n, s in timings.seconds.items() if n != "step"}
-    log(f"  {label}: {timings.calls['step']} steps, {timings.mean_ms('step'):.1f} ms/step; "
-        "share of step time: " + ", ".join(f"{n} {f:.0%}" for n, f in sorted(parts.items())))
+    log(
+        f"  {label}: {timings.calls['step']} steps, {timings.mean_ms('step'):.1f} ms/step; "
+        "share of step time: " + ", ".join(f"{n} {f:.0%}" for n, f in sorted(parts.items()))
+    )
 
 
 def bench(args: argparse.Namespace) -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     limit = args.num_prompts
-    common = dict(threads=torch.get_num_threads(), dtype="bfloat16", seed=args.seed,
-                  quick=args.quick, max_tokens=args.max_tokens, temperature=0,
-                  loadavg_1m=round(os.getloadavg()[0], 2))
+    common = dict(
+        threads=torch.get_num_threads(),
+        dtype="bfloat16",
+        seed=args.seed,
+        quick=args.quick,
+        max_tokens=args.max_tokens,
+        temperature=0,
+        loadavg_1m=round(os.getloadavg()[0], 2),
+    )
     plain = LLMEngine(engine_config(args, None))
     spec_engines = {
         "ngram": LLMEngine(engine_config(args, ngram_spec(args))),
@@ -255,12 +281,27 @@ def bench(args: argparse.Namespace) -> None:
         emit("spec", f"decode_tok_s.none.{prompt_set}", base.decode_tok_s, "tok/s", **extra)
         emit("spec", f"decode_tok_s.{proposer}.{prompt_set}", sped.decode_tok_s, "tok/s", **extra)
         emit("spec", ratio_name, base.tpot_ms / sped.tpot_ms, "x", **extra)
-        emit("spec", f"acceptance_rate.{proposer}.{prompt_set}", counters["acceptance_rate"],
-             "frac", **extra)
-        emit("spec", f"mean_accepted_len.{proposer}.{prompt_set}",
-             counters["mean_accepted_len"], "tok", **extra)
-        emit("spec", f"greedy_match_frac.{proposer}.{prompt_set}",
-             counters["greedy_match_frac"], "frac", **extra)
+        emit(
+            "spec",
+            f"acceptance_rate.{proposer}.{prompt_set}",
+            counters["acceptance_rate"],
+            "frac",
+            **extra,
+        )
+        emit(
+            "spec",
+            f"mean_accepted_len.{proposer}.{prompt_set}",
+            counters["mean_accepted_len"],
+            "tok",
+            **extra,
+        )
+        emit(
+            "spec",
+            f"greedy_match_frac.{proposer}.{prompt_set}",
+            counters["greedy_match_frac"],
+            "frac",
+            **extra,
+        )
         report_profile(f"none.{prompt_set}", plain_t, extra)
         report_profile(f"{proposer}.{prompt_set}", spec_t, extra)
 
@@ -278,11 +319,13 @@ def sweep(args: argparse.Namespace) -> None:
         warm_up(engine)
         prompts = load_prompts(engine, prompt_set, args.num_prompts)
         base, sped, counters, _, _ = compare(plain, engine, prompts, params)
-        log(f"sweep {prompt_set:<12} {spec.method:<5} k={spec.num_speculative_tokens} "
+        log(
+            f"sweep {prompt_set:<12} {spec.method:<5} k={spec.num_speculative_tokens} "
             f"ngram_min={spec.ngram_min} layers={spec.draft_num_layers}: "
             f"speedup {base.tpot_ms / sped.tpot_ms:.2f}x  tpot {sped.tpot_ms:.1f} vs "
             f"{base.tpot_ms:.1f} ms  acceptance {counters['acceptance_rate']:.2f}  "
-            f"mean_len {counters['mean_accepted_len']:.2f}")
+            f"mean_len {counters['mean_accepted_len']:.2f}"
+        )
         del engine
         _TIMINGS.clear()
 
@@ -307,8 +350,10 @@ def main() -> None:
         args.num_prompts = 2 if args.sweep else 4 if args.quick else None
     if args.max_tokens is None:
         args.max_tokens = 40 if args.sweep else 64 if args.quick else 128
-    log(f"threads={torch.get_num_threads()} dtype=bfloat16 greedy (temperature 0) "
-        f"batch=1 max_tokens={args.max_tokens} prompts/set={args.num_prompts or 'all'}")
+    log(
+        f"threads={torch.get_num_threads()} dtype=bfloat16 greedy (temperature 0) "
+        f"batch=1 max_tokens={args.max_tokens} prompts/set={args.num_prompts or 'all'}"
+    )
     if args.sweep:
         sweep(args)
     else:

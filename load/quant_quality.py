@@ -91,10 +91,10 @@ def compare(
 
 def evaluate(names: list[str], num_prompts: int | None, dtype: str) -> list[dict]:
     """Quantize a fresh copy of the model per scheme and compare it with the unquantized one."""
-    base_model, _ = load_model(EngineConfig(dtype=dtype))
+    base_model, tokenizer = load_model(EngineConfig(dtype=dtype))
     rows = read_rows(DEFAULT_CALIBRATION_PATH)[:num_prompts]
     base = [continuation_logprobs(base_model, row) for row in rows]
-    calibration = calibration_token_ids()
+    calibration = calibration_token_ids(tokenizer)
     results = []
     for name in names:
         start = time.perf_counter()

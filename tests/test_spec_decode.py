@@ -7,6 +7,7 @@ enough to force preemption; each configuration is loaded once per module.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import pytest
@@ -18,7 +19,13 @@ from engine.outputs import EngineStats
 from engine.request import Request
 from engine.sampler import SampleRow, probs_for, verify
 from engine.sampling_params import SamplingParams
-from engine.spec_decode import Backoff, DraftModelProposer, NgramProposer, Speculator
+from engine.spec_decode import (
+    Backoff,
+    DraftModelProposer,
+    NgramProposer,
+    Proposal,
+    Speculator,
+)
 
 torch.set_num_threads(1)  # two shared cores: more threads only contend
 
@@ -215,17 +222,24 @@ def test_default_model_as_its_own_draft_accepts_everything(engine_for):
 # ---- rollback ----------------------------------------------------------------
 
 
-def trace_rewrite(engine: LLMEngine) -> dict[int, tuple]:
-    prompt = chat(engine, f"Text: {GROUNDED_TEXT}\nRewrite the text in plain words.")
-    return trace_books(engine, prompt, greedy(40, ignore_eos=True))
+def rewrite_prompt(engine: LLMEngine) -> list[int]:
+    return chat(engine, f"Text: {GROUNDED_TEXT}\nRewrite the text in plain words.")
 
 
-def trace_books(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> dict[int, tuple]:
-    """After each step, by output length: (block table length, num_computed_tokens, K/V)."""
+def trace_rewrite(engine: LLMEngine) -> tuple[dict[int, tuple], list[int]]:
+    return trace_books(engine, rewrite_prompt(engine), greedy(48, ignore_eos=True))
+
+
+def trace_books(
+    engine: LLMEngine, prompt: list[int], params: SamplingParams
+) -> tuple[dict[int, tuple], list[int]]:
+    """After each step, by output length: (block table length, num_computed_tokens, K/V);
+    and the output tokens."""
     engine.add_request("traced", prompt, params)
     trace: dict[int, tuple] = {}
+    token_ids: list[int] = []
     while engine.has_unfinished():
-        engine.step()
+        token_ids += [t for out in engine.step() for t in out.new_token_ids]
         tracked = engine.requests.get("traced")
         if tracked is None:  # finished: its blocks are gone
             break
@@ -240,7 +254,33 @@ def trace_books(engine: LLMEngine, prompt: list[int], params: SamplingParams) ->
             computed_kv(engine, request),
         )
     assert_all_blocks_free(engine)
-    return trace
+    return trace, token_ids
+
+
+class ScriptedProposer:
+    """Drafts from a known answer: right for a random number of tokens, then one wrong one.
+
+    Its rejections land at every offset of a block, which the real proposers,
+    muted by the back-off after a few misses, rarely manage in a short test.
+    """
+
+    def __init__(self, answer: list[int], vocab_size: int, seed: int) -> None:
+        self.answer, self.vocab_size, self.rng = answer, vocab_size, random.Random(seed)
+
+    def propose(self, requests: dict[Request, int]) -> dict[Request, Proposal]:
+        out = {}
+        for request, k in requests.items():
+            right = self.answer[request.num_tokens : request.num_tokens + k]
+            num_right = self.rng.randint(0, len(right))
+            drafts = right[:num_right]
+            if num_right < len(right):
+                drafts.append((right[num_right] + 1) % self.vocab_size)
+            if drafts:
+                out[request] = Proposal(drafts)
+        return out
+
+    def release(self, request: Request) -> None:
+        pass
 
 
 def computed_kv(engine: LLMEngine, request: Request) -> torch.Tensor:
@@ -257,14 +297,24 @@ def computed_kv(engine: LLMEngine, request: Request) -> torch.Tensor:
     )
 
 
-@pytest.mark.parametrize("spec", [NGRAM, WEAK_DRAFT], ids=["ngram", "draft4layers"])
-def test_rollback_matches_plain_run(engine_for, plain_run, spec):
-    plain = plain_run(trace_rewrite)
-    engine = engine_for(spec)
+@pytest.mark.parametrize("proposer", ["ngram", "draft4layers", "scripted"])
+def test_rollback_matches_plain_run(engine_for, plain_run, proposer):
+    plain, answer = plain_run(trace_rewrite)
+    engine = engine_for(WEAK_DRAFT if proposer == "draft4layers" else NGRAM)
+    speculator = engine.speculator
+    real_proposer = speculator.proposer
+    if proposer == "scripted":
+        prompt = rewrite_prompt(engine)
+        speculator.proposer = ScriptedProposer(prompt + answer, engine.model.args.vocab_size, 3)
     before = engine.stats()
-    spec_trace = trace_rewrite(engine)
+    try:
+        spec_trace, spec_answer = trace_rewrite(engine)
+    finally:
+        speculator.proposer = real_proposer
     delta = stats_delta(before, engine.stats())
-    assert delta["spec_num_accepted_tokens"] < delta["spec_num_draft_tokens"], "no rejection"
+    num_rejected = delta["spec_num_draft_tokens"] - delta["spec_num_accepted_tokens"]
+    assert num_rejected >= (10 if proposer == "scripted" else 1)
+    assert spec_answer == answer
 
     common = sorted(set(plain) & set(spec_trace))
     assert len(common) >= 5

@@ -13,7 +13,7 @@ a read with no repacking. It needs N % 64 == 0, true of every Llama
 projection; other shapes stay unquantized (see engine/quant.py).
 `scales_and_zeros` is [K / group_size, N, 2] (scale, zero), the CPU op's layout.
 
-- `int4_mm_reference`: de-quantize to a dense weight, then a plain GEMM.
+- `int4_mm_reference`: de-quantize the weight tile by tile, then a batched GEMM.
 - `int4_mm_cpu`: the packed op for few rows (decode), the reference for many.
 - `int4_mm_triton`: a Triton kernel that unpacks and de-quantizes tiles in registers.
 """
@@ -35,9 +35,8 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """codes: [N, K] integers in [0, 15] -> uint8 [N, K / 2] in the tile64 layout."""
     n, k = codes.shape
     assert n % TILE_N == 0 and k % 2 == 0, f"int4 packing needs N % 64 == 0 and even K, got {n}x{k}"
-    tiles = (
-        codes.to(torch.uint8).view(n // TILE_N, 2, TILE_N // 2, k).transpose(2, 3)
-    )  # [B, 2, K, 32]
+    halves = codes.to(torch.uint8).view(n // TILE_N, 2, TILE_N // 2, k)  # [B, 2, 32, K]
+    tiles = halves.transpose(2, 3)  # [B, 2, K, 32]
     return (tiles[:, 0] | (tiles[:, 1] << 4)).reshape(n, k // 2)
 
 
