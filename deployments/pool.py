@@ -70,7 +70,8 @@ EngineFactory = Callable[[EngineConfig], Engine]
 
 
 def _default_engine_cls() -> EngineFactory:
-    from engine.async_engine import AsyncLLMEngine  # imported here: it loads torch and the model code
+    # Imported here: it loads torch and the model code, which the ingress never needs.
+    from engine.async_engine import AsyncLLMEngine
 
     return AsyncLLMEngine
 

@@ -9,6 +9,7 @@ import argparse
 import sys
 import time
 
+from engine.chat import chat_prompt_ids
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -44,11 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.raw:
         prompt_ids = tokenizer.encode(args.prompt)
     else:
-        messages = [{"role": "user", "content": args.prompt}]
-        encoded = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )
-        prompt_ids = list(encoded["input_ids"])  # type: ignore[call-overload,index]
+        prompt_ids = chat_prompt_ids(tokenizer, args.prompt)
     try:
         engine.add_request("cli", prompt_ids, params)
     except ValueError as exc:

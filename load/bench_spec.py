@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from engine.chat import chat_prompt_ids
 from engine.config import EngineConfig, SpecDecodeConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -60,17 +61,7 @@ CASES = (  # (prompt set, proposer, ratio metric)
 def load_prompts(engine: LLMEngine, prompt_set: str, limit: int | None) -> list[list[int]]:
     lines = (PROMPT_DIR / f"{prompt_set}.jsonl").read_text().splitlines()
     texts = [json.loads(line)["prompt"] for line in lines if line.strip()][:limit]
-    return [chat_ids(engine, text) for text in texts]
-
-
-def chat_ids(engine: LLMEngine, text: str) -> list[int]:
-    encoded = engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=True,
-    )
-    return list(encoded["input_ids"])
+    return [chat_prompt_ids(engine.tokenizer, text) for text in texts]
 
 
 @dataclass
@@ -222,7 +213,11 @@ def draft_spec(args: argparse.Namespace, k: int | None = None, layers: int | Non
 
 
 def warm_up(engine: LLMEngine) -> None:
-    run_one(engine, chat_ids(engine, "Say hello."), SamplingParams(max_tokens=8, temperature=0))
+    run_one(
+        engine,
+        chat_prompt_ids(engine.tokenizer, "Say hello."),
+        SamplingParams(max_tokens=8, temperature=0),
+    )
 
 
 def report_profile(label: str, timings: Timings, common: dict) -> None:

@@ -46,14 +46,6 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
 
 
-def chat_prompt(tokenizer, text: str) -> list[int]:
-    messages = [{"role": "user", "content": text}]
-    encoded = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=True
-    )
-    return list(encoded["input_ids"])
-
-
 def drain(engine: LLMEngine) -> dict[str, Completion]:
     """Step until every request has finished; return what each produced."""
     completions: dict[str, Completion] = {}

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import itertools
 
-from engine_helpers import chat_prompt, greedy, run_one
+from engine_helpers import greedy, run_one
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.chat import chat_prompt_ids
 from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
 
 MULTIBYTE_TEXT = "Café 👋 naïve 世界! 🇫🇷 — déjà vu, 😀😀 end"
@@ -130,7 +131,7 @@ def test_filter_holding_back_gives_what_an_unbuffered_search_gives(text, stop, c
 
 
 def test_stop_string_spanning_tokens_ends_the_request_and_is_not_returned(engine, tokenizer):
-    prompt = chat_prompt(tokenizer, "What is the capital of France?")
+    prompt = chat_prompt_ids(tokenizer, "What is the capital of France?")
     free = run_one(engine, prompt, greedy(12))
     pieces = [tokenizer.decode([t], skip_special_tokens=True) for t in free.token_ids]
     assert "".join(pieces) == free.text
@@ -146,7 +147,7 @@ def test_stop_string_spanning_tokens_ends_the_request_and_is_not_returned(engine
 
 
 def test_multibyte_output_streams_without_broken_characters(engine, tokenizer):
-    prompt = chat_prompt(tokenizer, "Write three emoji and the word 世界, nothing else.")
+    prompt = chat_prompt_ids(tokenizer, "Write three emoji and the word 世界, nothing else.")
     completion = run_one(engine, prompt, greedy(16))
     assert any(ord(char) > 0x7F for char in completion.text)
     assert "\ufffd" not in completion.text

@@ -10,14 +10,14 @@ from engine_helpers import (
     TEST_ENGINE_CONFIG,
     Completion,
     assert_books_balance,
-    chat_prompt,
     drain,
     greedy,
     run_one,
 )
 
-from engine.config import EngineConfig
 from engine.async_engine import AsyncLLMEngine
+from engine.chat import chat_prompt_ids
+from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
@@ -105,8 +105,8 @@ def test_duplicate_request_id_is_refused(engine):
 
 
 def test_abort_frees_the_blocks_and_the_rest_carry_on(engine, tokenizer):
-    engine.add_request("keep", chat_prompt(tokenizer, "Name a colour."), greedy(6))
-    engine.add_request("drop", chat_prompt(tokenizer, "Count to fifty."), LONG)
+    engine.add_request("keep", chat_prompt_ids(tokenizer, "Name a colour."), greedy(6))
+    engine.add_request("drop", chat_prompt_ids(tokenizer, "Count to fifty."), LONG)
     engine.step()
     engine.step()
     dropped = engine.requests["drop"].request
@@ -179,7 +179,7 @@ async def wait_until_idle(async_engine: AsyncLLMEngine, timeout_s: float = 20.0)
 
 
 def test_async_generate_streams_what_the_sync_engine_produces(async_engine, engine, tokenizer):
-    prompt = chat_prompt(tokenizer, "What is the capital of France?")
+    prompt = chat_prompt_ids(tokenizer, "What is the capital of France?")
     streamed = asyncio.run(collect(async_engine.generate(prompt, greedy(8), "stream")))
     direct = run_one(engine, prompt, greedy(8))
     assert (streamed.token_ids, streamed.text) == (direct.token_ids, direct.text)
@@ -193,7 +193,7 @@ def test_async_generate_refuses_bad_input_and_stays_alive(async_engine):
 
 
 def test_async_abort_ends_the_stream_and_frees_blocks(async_engine, tokenizer):
-    prompt = chat_prompt(tokenizer, "Count to fifty.")
+    prompt = chat_prompt_ids(tokenizer, "Count to fifty.")
 
     async def scenario() -> tuple[Completion, EngineStats]:
         stream = async_engine.generate(prompt, LONG, "to-abort")
@@ -211,7 +211,7 @@ def test_async_abort_ends_the_stream_and_frees_blocks(async_engine, tokenizer):
 
 
 def test_consumer_that_stops_iterating_frees_blocks(async_engine, tokenizer):
-    prompt = chat_prompt(tokenizer, "Count to fifty.")
+    prompt = chat_prompt_ids(tokenizer, "Count to fifty.")
 
     async def walk_away() -> EngineStats:
         async for _ in async_engine.generate(prompt, LONG, "walk-away"):

@@ -6,10 +6,11 @@ import math
 
 import pytest
 import torch
-from engine_helpers import chat_prompt, drain, greedy, run_requests
+from engine_helpers import drain, greedy, run_requests
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.chat import chat_prompt_ids
 from engine.sampler import SampleRow, apply_repetition_penalty, mask_top_k_top_p, probs_for, sample
 from engine.sampling_params import SamplingParams
 
@@ -126,12 +127,12 @@ SEEDED = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.95, seed=1234)
 
 
 def test_seeded_request_is_reproducible_whatever_shares_the_batch(engine, tokenizer):
-    prompt = chat_prompt(tokenizer, "Tell me a story about a dragon.")
+    prompt = chat_prompt_ids(tokenizer, "Tell me a story about a dragon.")
     alone = run_requests(engine, {"seeded": (prompt, SEEDED)})["seeded"]
 
     others = {
-        "greedy": (chat_prompt(tokenizer, "What is 2+2?"), greedy(8)),
-        "unseeded": (chat_prompt(tokenizer, "Name a colour."), SamplingParams(max_tokens=8)),
+        "greedy": (chat_prompt_ids(tokenizer, "What is 2+2?"), greedy(8)),
+        "unseeded": (chat_prompt_ids(tokenizer, "Name a colour."), SamplingParams(max_tokens=8)),
         "other-seed": (prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=99)),
     }
     for request_id, (other_prompt, params) in others.items():
@@ -145,7 +146,7 @@ def test_seeded_request_is_reproducible_whatever_shares_the_batch(engine, tokeni
 
 
 def test_min_tokens_holds_back_eos(engine, tokenizer):
-    prompt = chat_prompt(tokenizer, "Reply with one word: yes or no?")
+    prompt = chat_prompt_ids(tokenizer, "Reply with one word: yes or no?")
     short = run_requests(engine, {"free": (prompt, greedy(16))})["free"]
     assert short.finish_reason == "stop" and len(short.token_ids) < 6
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from engine.chat import chat_prompt_ids
 from engine.config import EngineConfig, SpecDecodeConfig
 from engine.engine import LLMEngine
 from engine.outputs import EngineStats
@@ -85,16 +86,6 @@ def plain_run(engine_for) -> Callable[..., object]:
     return get
 
 
-def chat(engine: LLMEngine, text: str) -> list[int]:
-    encoded = engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=True,
-    )
-    return list(encoded["input_ids"])
-
-
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
 
@@ -103,33 +94,38 @@ def mixed_batch(engine: LLMEngine) -> dict[str, tuple[list[int], SamplingParams]
     """Speculating greedy requests of several lengths, plus ones that never speculate."""
     return {
         "copy": (
-            chat(
-                engine,
+            chat_prompt_ids(
+                engine.tokenizer,
                 "Repeat this sentence exactly, twice: the quick brown fox "
                 "jumps over the lazy dog near the old river bank.",
             ),
             greedy(28),
         ),
         "summary": (
-            chat(engine, f"Text: {GROUNDED_TEXT}\nSummarize the text in one sentence."),
+            chat_prompt_ids(
+                engine.tokenizer, f"Text: {GROUNDED_TEXT}\nSummarize the text in one sentence."
+            ),
             greedy(24),
         ),
         "extract": (
-            chat(
-                engine,
+            chat_prompt_ids(
+                engine.tokenizer,
                 f"Text: {GROUNDED_TEXT}\nHow many boats are in the fleet, "
                 "and when does the market open?",
             ),
             greedy(20),
         ),
-        "list": (chat(engine, "List five fruits, one per line."), greedy(16, ignore_eos=True)),
+        "list": (
+            chat_prompt_ids(engine.tokenizer, "List five fruits, one per line."),
+            greedy(16, ignore_eos=True),
+        ),
         "penalised": (
-            chat(engine, "Write two sentences about the sea."),
+            chat_prompt_ids(engine.tokenizer, "Write two sentences about the sea."),
             greedy(18, repetition_penalty=1.3),
         ),
-        "short": (chat(engine, "What is the capital of France?"), greedy(6)),
+        "short": (chat_prompt_ids(engine.tokenizer, "What is the capital of France?"), greedy(6)),
         "sampled": (
-            chat(engine, "Tell me a fun fact."),
+            chat_prompt_ids(engine.tokenizer, "Tell me a fun fact."),
             SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True),
         ),
     }
@@ -207,8 +203,14 @@ def test_default_model_as_its_own_draft_accepts_everything(engine_for):
     engine = engine_for(SELF_DRAFT)
     before = engine.stats()
     prompts = {
-        "a": (chat(engine, "Name three colours."), greedy(14, ignore_eos=True)),
-        "b": (chat(engine, f"Text: {GROUNDED_TEXT}\nWhere is Elsmere?"), greedy(10)),
+        "a": (
+            chat_prompt_ids(engine.tokenizer, "Name three colours."),
+            greedy(14, ignore_eos=True),
+        ),
+        "b": (
+            chat_prompt_ids(engine.tokenizer, f"Text: {GROUNDED_TEXT}\nWhere is Elsmere?"),
+            greedy(10),
+        ),
     }
     got = run_all(engine, prompts)
     delta = stats_delta(before, engine.stats())
@@ -223,7 +225,9 @@ def test_default_model_as_its_own_draft_accepts_everything(engine_for):
 
 
 def rewrite_prompt(engine: LLMEngine) -> list[int]:
-    return chat(engine, f"Text: {GROUNDED_TEXT}\nRewrite the text in plain words.")
+    return chat_prompt_ids(
+        engine.tokenizer, f"Text: {GROUNDED_TEXT}\nRewrite the text in plain words."
+    )
 
 
 def trace_rewrite(engine: LLMEngine) -> tuple[dict[int, tuple], list[int]]:
