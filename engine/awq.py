@@ -9,10 +9,14 @@ from the project's calibration prompts, we search
    quantized as W * s and the input divided by s, which gives the busy
    channels finer steps;
 2. then, per output channel and group, a shrink of the quantization range
-   (clipping outliers trades their error for finer steps for the rest).
+   (clipping outliers trades their error for finer steps for the rest);
+3. for INT4, once rounded, each group's scale and zero are refitted to its
+   codes by least squares weighted by the mean squared input of each channel
+   (engine/quant.py `int4_codes`).
 
-Both minimise the layer's output error on the recorded inputs, and alpha = 0
-with no shrink is plain RTN, so neither step can do worse than RTN on them.
+Steps 1 and 2 minimise the layer's output error on the recorded inputs, and
+alpha = 0 with no shrink is plain RTN, so they cannot do worse than RTN there;
+step 3 lowers the same error's diagonal part.
 """
 
 from __future__ import annotations
@@ -52,8 +56,9 @@ def search_layer(weight: torch.Tensor, x: torch.Tensor, scheme: str, group_size:
     """weight [N, K], recorded inputs x [T, K] -> the layer's AwqParams."""
     weight, x = weight.detach().float(), x.float()
     input_scale = search_input_scale(weight, x, scheme, group_size)
-    clip = search_clip(weight / input_scale, x * input_scale, scheme, group_size)
-    return AwqParams(input_scale, clip)
+    scaled_x = x * input_scale
+    clip = search_clip(weight / input_scale, scaled_x, scheme, group_size)
+    return AwqParams(input_scale, clip, importance=scaled_x.pow(2).mean(dim=0))
 
 
 @torch.no_grad()

@@ -29,6 +29,9 @@ from engine.kernels.int8_mm import int8_mm_cpu, int8_mm_triton
 log = logging.getLogger(__name__)
 
 MIN_GROUP_SIZE = 32
+REFIT_ROUNDS = 3
+ALGORITHM_VERSION = 2
+"""Bumped whenever the same QuantConfig would produce different tensors (names cached files)."""
 
 
 class QuantLinear(nn.Module):
@@ -166,12 +169,17 @@ def quantize_int8(
 
 
 def int4_codes(
-    weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None
+    weight: torch.Tensor,
+    group_size: int,
+    clip: torch.Tensor | None = None,
+    importance: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric per group: weight [N, K] -> (codes [N, K] in 0..15, scales [N, G], zeros [N, G]).
 
     The range [min, max] of each group (times `clip` [N, G] if given) maps onto
     the 16 codes; code q means (q - 8) * scale + zero, so zero is code 8's value.
+    With `importance` [K] (mean squared input per channel), scale and zero are
+    then refitted to the codes by weighted least squares, a few rounds.
     """
     n, k = weight.shape
     groups = weight.float().view(n, k // group_size, group_size)
@@ -179,8 +187,36 @@ def int4_codes(
     if clip is not None:
         low, high = low * clip, high * clip
     scales = ((high - low) / 15).clamp(min=1e-8)
-    codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)
-    return codes.to(torch.uint8).view(n, k), scales, low + 8 * scales
+    zeros = low + 8 * scales
+    codes = _round_int4(groups, scales, zeros)
+    if importance is not None:
+        weights = importance.float().view(1, k // group_size, group_size)
+        for _ in range(REFIT_ROUNDS):
+            scales, zeros = _refit(groups, codes.float() - 8, weights, scales, zeros)
+            codes = _round_int4(groups, scales, zeros)
+    return codes.to(torch.uint8).view(n, k), scales, zeros
+
+
+def _round_int4(groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    return torch.round((groups - zeros[..., None]) / scales[..., None] + 8).clamp(0, 15)
+
+
+def _refit(
+    groups: torch.Tensor,
+    centred: torch.Tensor,
+    weights: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """argmin over (s, z) of sum_k h_k (w_k - s c_k - z)^2 per group: a 2x2 normal equation."""
+    sum_h = weights.sum(-1)
+    sum_c, sum_cc = (weights * centred).sum(-1), (weights * centred * centred).sum(-1)
+    sum_w, sum_cw = (weights * groups).sum(-1), (weights * centred * groups).sum(-1)
+    det = (sum_cc * sum_h - sum_c * sum_c).clamp(min=1e-12)
+    new_scales = (sum_cw * sum_h - sum_c * sum_w) / det
+    new_zeros = (sum_w - new_scales * sum_c) / sum_h
+    usable = new_scales > 1e-8  # a group whose codes collapsed keeps its fit
+    return torch.where(usable, new_scales, scales), torch.where(usable, new_zeros, zeros)
 
 
 def fake_quantize(
@@ -210,13 +246,14 @@ def quantize_linear(
     linear: nn.Linear, scheme: str, group_size: int, awq: AwqParams | None = None
 ) -> QuantLinear:
     """The quantized twin of `linear`; with `awq`, the weight is multiplied by s = 1 /
-    input_scale before quantizing and each group's range shrunk by `awq.clip`."""
+    input_scale before quantizing, each group's range shrunk by `awq.clip`, and
+    INT4 scales and zeros refitted with `awq.importance`."""
     n, k = linear.out_features, linear.in_features
     dtype, device = linear.weight.dtype, linear.weight.device
     weight = linear.weight.detach().float()
-    clip = None
+    clip = importance = None
     if awq is not None:
-        weight, clip = weight / awq.input_scale.float(), awq.clip
+        weight, clip, importance = weight / awq.input_scale.float(), awq.clip, awq.importance
     module: QuantLinear
     if scheme == "int8":
         module = Int8Linear(k, n, False, dtype, device)
@@ -225,7 +262,7 @@ def quantize_linear(
         module.scales.copy_(scales)
     else:
         module = Int4Linear(k, n, group_size, False, dtype, device)
-        codes, scales, zeros = int4_codes(weight, group_size, clip)
+        codes, scales, zeros = int4_codes(weight, group_size, clip, importance)
         module.qweight.copy_(pack_int4(codes))
         module.scales_and_zeros.copy_(torch.stack([scales.t(), zeros.t()], dim=-1))
     if linear.bias is not None:
@@ -242,6 +279,8 @@ class AwqParams(NamedTuple):
     """[K]: 1 / s, multiplied into the input; the weight is multiplied by s."""
     clip: torch.Tensor
     """[N, G]: shrink factor of each group's range (G = 1 for INT8)."""
+    importance: torch.Tensor
+    """[K]: mean squared scaled input per channel, the weights of INT4's scale/zero refit."""
 
 
 # ---- the model-level swap ------------------------------------------------------------

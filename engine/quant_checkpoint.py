@@ -30,7 +30,8 @@ def checkpoint_filename(config: QuantConfig) -> str:
     """A file name that changes whenever the quantized tensors would."""
     head = "-lm_head" if config.quantize_lm_head else ""
     group = "" if config.scheme == "int8" else f"-g{config.group_size}"
-    return f"{config.scheme}{group}-{config.method}{head}.safetensors"
+    version = f"-v{quant.ALGORITHM_VERSION}"
+    return f"{config.scheme}{group}-{config.method}{head}{version}.safetensors"
 
 
 def save_quantized(model: nn.Module, path: Path, config: QuantConfig) -> None:

@@ -51,8 +51,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._make_room_for_urgent(out)
-        budget = self.max_num_batched_tokens
-        for request in sorted(self.running, key=lambda r: r.sort_key):
+        # Decodes first: they cost one token (1 + k with drafts) each, and a long
+        # prefill taking the whole budget must not stall everyone's next token.
+        for request in sorted(self.running, key=lambda r: (_is_prefilling(r), r.sort_key)):
+            budget = self.max_num_batched_tokens - out.total_tokens
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -60,14 +62,12 @@ class Scheduler:
             num_new = self._reserve(request, budget, out)
             if num_new:
                 out.num_new_tokens[request] = num_new
-                budget -= num_new
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-            if self.waiting[0] in out.preempted:
-                break  # just evicted for room: re-admitting it now would only thrash
-            num_new = self._admit(self.waiting[0], budget, out)
-            if num_new == 0:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            budget = self.max_num_batched_tokens - out.total_tokens
+            if budget == 0 or self.waiting[0] in out.preempted:
+                break  # a request evicted for room this step would only thrash
+            if self._admit(self.waiting[0], budget, out) == 0:
                 break
-            budget -= num_new
         return out
 
     def finish(self, request: Request, reason: str) -> None:
@@ -94,9 +94,9 @@ class Scheduler:
 
         Draft tokens are the first thing given up: those past the budget are
         dropped, and all of them before anyone is preempted for room. Then the
-        least urgent request is preempted until the rest fits. Requests are
-        visited most urgent first, so every victim is either this request or
-        one not yet scheduled this step.
+        least urgent running request is preempted until the rest fits (if it
+        was already scheduled this step, it leaves the batch and its tokens
+        return to the budget).
         """
         num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
         num_spec_fitting = request.num_computed_tokens + num_new - request.num_tokens
@@ -145,3 +145,8 @@ class Scheduler:
         out.num_new_tokens.pop(request, None)
         out.preempted.append(request)
         self.add(request)
+
+
+def _is_prefilling(request: Request) -> bool:
+    """More than the newest token left to compute: a prompt (or recomputation) in progress."""
+    return request.num_tokens - request.num_computed_tokens > 1

@@ -102,6 +102,21 @@ def test_awq_beats_rtn_when_a_few_input_channels_dominate() -> None:
     assert awq_error < 0.8 * rtn_error
 
 
+def test_weighted_refit_lowers_the_weighted_int4_error() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(64, 128)
+    importance = torch.rand(128) ** 4  # a few channels matter much more
+
+    def weighted_error(codes, scales, zeros) -> float:
+        centred = codes.float().view(64, 2, 64) - 8
+        restored = (centred * scales[..., None] + zeros[..., None]).view(64, 128)
+        return ((restored - weight).pow(2) * importance).sum().item()
+
+    plain = weighted_error(*quant.int4_codes(weight, 64))
+    refitted = weighted_error(*quant.int4_codes(weight, 64, importance=importance))
+    assert refitted < 0.9 * plain
+
+
 def test_awq_model_carries_input_scales_and_runs() -> None:
     model = tiny_model()
     with pytest.raises(ValueError, match="calibration"):
