@@ -10,6 +10,7 @@ the same path.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import logging
@@ -20,8 +21,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.awq import calibration_token_ids
 from engine.config import EngineConfig
 from engine.model import LlamaForCausalLM, ModelArgs
+from engine.quant import quantize_model
+from engine.quant_checkpoint import checkpoint_filename, load_quantized, save_quantized
 
 log = logging.getLogger(__name__)
 
@@ -94,20 +98,56 @@ def load_tokenizer(model: str, cache_dir: Path) -> PreTrainedTokenizerBase:
 def load_model(
     config: EngineConfig, num_layers: int | None = None
 ) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
-    """Build our model from an HF Llama-family folder and load its safetensors.
+    """Build our model from an HF Llama-family folder: dense, or quantized per `config.quant`.
 
     `num_layers` keeps only the first layers: a cheap layer-truncated draft model.
     """
     model_dir = resolve_model_dir(config.model, config.cache_dir)
-    hf_config = json.loads((model_dir / "config.json").read_text())
-    args = ModelArgs.from_hf_config(hf_config)
+    args = ModelArgs.from_hf_config(json.loads((model_dir / "config.json").read_text()))
     if num_layers is not None:
         args = dataclasses.replace(args, num_layers=min(num_layers, args.num_layers))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if config.quant is None:
+        model = _load_dense(model_dir, args, config)
+    else:
+        model = _load_quantized(model_dir, args, config, tokenizer)
+    return model.eval(), tokenizer
+
+
+def _load_dense(model_dir: Path, args: ModelArgs, config: EngineConfig) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(args)
     model.load_hf_state_dict(_read_safetensors(model_dir))
-    model.to(device=config.device, dtype=config.torch_dtype).eval()
-    return model, AutoTokenizer.from_pretrained(model_dir)
+    return model.to(device=config.device, dtype=config.torch_dtype)
+
+
+def _load_quantized(
+    model_dir: Path, args: ModelArgs, config: EngineConfig, tokenizer: PreTrainedTokenizerBase
+) -> LlamaForCausalLM:
+    """Quantize once (AWQ calibrates for a minute or so), then reuse the saved checkpoint."""
+    quant = config.quant
+    assert quant is not None
+    path = quantized_checkpoint_path(model_dir, args, config)
+    if path.is_file():
+        with torch.device("meta"):
+            model = LlamaForCausalLM(args)
+        load_quantized(model, path, quant)
+        model.reset_rope()
+        return model.to(config.device)
+    print(f"tierserve: quantizing to {quant.scheme} ({quant.method}), once...", file=sys.stderr)
+    model = _load_dense(model_dir, args, config)
+    calibration = calibration_token_ids(tokenizer) if quant.method == "awq" else ()
+    quantize_model(model, quant, calibration)
+    save_quantized(model, path, quant)
+    return model
+
+
+def quantized_checkpoint_path(model_dir: Path, args: ModelArgs, config: EngineConfig) -> Path:
+    """Cache path keyed by the model folder, dtype, depth and quantization settings."""
+    assert config.quant is not None
+    source = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:12]
+    variant = f"{model_dir.name}-{source}-{config.dtype}-{args.num_layers}L"
+    return Path(config.cache_dir) / "quantized" / variant / checkpoint_filename(config.quant)
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -257,6 +257,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.reset_rope()
+
+    def reset_rope(self) -> None:
+        """Rebuild the rotary tables: checkpoints do not hold them, and a model made on
+        the meta device has only empty placeholders."""
         self.rope = RotaryEmbedding(self.args, self.args.max_position_embeddings)
 
 

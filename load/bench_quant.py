@@ -7,7 +7,7 @@ concurrent requests, round-robin, keeping each variant's best round. Ratios
 are variant / bf16 (bigger is better); weight bytes count the decoder's
 linear layers (the lm_head is tied to the embedding and stays bf16).
 
-    python load/bench_quant.py [--quick] [--variants bf16,int8,int4]
+    python -m load.bench_quant [--quick] [--variants bf16,int8,int4]
 """
 
 from __future__ import annotations
@@ -18,21 +18,16 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import engine as engine_module  # noqa: E402
-from engine.awq import DEFAULT_CALIBRATION_PATH, calibration_token_ids  # noqa: E402
-from engine.config import EngineConfig, QuantConfig  # noqa: E402
-from engine.loader import load_model, resolve_model_dir  # noqa: E402
-from engine.model import LlamaForCausalLM, ModelArgs, RotaryEmbedding  # noqa: E402
-from engine.quant import QuantLinear, quantize_model  # noqa: E402
-from engine.quant_checkpoint import checkpoint_filename, load_quantized, save_quantized  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.awq import DEFAULT_CALIBRATION_PATH
+from engine.config import EngineConfig, QuantConfig
+from engine.engine import LLMEngine
+from engine.loader import load_model
+from engine.quant import QuantLinear
+from engine.sampling_params import SamplingParams
+from load.report import emit
 
 VARIANTS: dict[str, QuantConfig | None] = {
     "bf16": None,
@@ -40,33 +35,6 @@ VARIANTS: dict[str, QuantConfig | None] = {
     "int4": QuantConfig("int4", 64, "awq"),
 }
 CONCURRENCY = 64
-
-
-def checkpoint_path(config: EngineConfig, quant: QuantConfig) -> Path:
-    model_dir = resolve_model_dir(config.model, config.cache_dir)
-    return config.cache_dir / "quantized" / model_dir.name / checkpoint_filename(quant)
-
-
-def prepare(variant: str) -> None:
-    """Quantize the default model once and cache the checkpoint (AWQ takes a minute or two)."""
-    config, quant = EngineConfig(), VARIANTS[variant]
-    assert quant is not None
-    model, tokenizer = load_model(config)
-    calibration = calibration_token_ids(tokenizer) if quant.method == "awq" else ()
-    quantize_model(model, quant, calibration)
-    save_quantized(model, checkpoint_path(config, quant), quant)
-
-
-def load_quantized_model(config: EngineConfig, quant: QuantConfig):
-    """Stand-in for engine/loader.py until it loads quantized checkpoints itself: a meta
-    skeleton filled from the checkpoint, so the bf16 weights are never read."""
-    model_dir = resolve_model_dir(config.model, config.cache_dir)
-    args = ModelArgs.from_hf_config(json.loads((model_dir / "config.json").read_text()))
-    with torch.device("meta"):
-        model = LlamaForCausalLM(args)
-    load_quantized(model, checkpoint_path(config, quant), quant)
-    model.rope = RotaryEmbedding(args, args.max_position_embeddings)
-    return model.eval(), AutoTokenizer.from_pretrained(model_dir)
 
 
 def linear_weight_bytes(model: torch.nn.Module) -> int:
@@ -109,18 +77,18 @@ def _greedy(num_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
 
 
-def build_engine(variant: str, threads: int) -> engine_module.LLMEngine:
-    quant = VARIANTS[variant]
-    config = EngineConfig(
+def engine_config(variant: str, threads: int) -> EngineConfig:
+    return EngineConfig(
         max_num_seqs=CONCURRENCY,
         kv_cache_memory_gb=0.25,
         enable_prefix_caching=False,  # every round must pay for its prefill
         num_threads=threads,
+        quant=VARIANTS[variant],
     )
-    engine_module.load_model = (
-        load_model if quant is None else lambda cfg: load_quantized_model(cfg, quant)
-    )
-    return engine_module.LLMEngine(config)
+
+
+def build_engine(variant: str, threads: int) -> LLMEngine:
+    return LLMEngine(engine_config(variant, threads))
 
 
 def measure_memory(variant: str, threads: int) -> dict[str, float]:
@@ -152,39 +120,25 @@ def measure_speed(variants: list[str], quick: bool, threads: int) -> dict[str, d
 
 
 def run_child(flag: str, variant: str, threads: int) -> dict[str, float] | None:
-    command = [sys.executable, __file__, flag, variant, "--threads", str(threads)]
+    command = [sys.executable, "-m", "load.bench_quant", flag, variant, "--threads", str(threads)]
     out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
     return json.loads(out.strip().splitlines()[-1]) if flag == "--memory" else None
 
 
-def emit(results: dict[str, dict[str, float]], common: dict) -> None:
+def report(results: dict[str, dict[str, float]], common: dict) -> None:
     """Raw figures per variant, then ratios to bf16 named as ../shared/BENCHMARKS.md asks."""
-
-    def line(metric: str, value: float, unit: str) -> None:
-        print(json.dumps({"bench": "quant", "metric": metric, "value": round(value, 4),
-                          "unit": unit, **common}))  # fmt: skip
-
     units = {"weight_bytes": "bytes", "rss_mb": "MiB", "decode_b1_tok_s": "tok/s",
              "throughput64_tok_s": "tok/s"}  # fmt: skip
     for variant, result in results.items():
         for key, unit in units.items():
-            line(f"{key}.{variant}", result[key], unit)
+            emit("quant", f"{key}.{variant}", result[key], unit, **common)
     base = results["bf16"]
+    ratios = {"weight_bytes": "weight_bytes", "rss": "rss_mb", "decode_b1": "decode_b1_tok_s",
+              "throughput64": "throughput64_tok_s"}  # fmt: skip
     for variant in (v for v in results if v != "bf16"):
-        result = results[variant]
-        line(
-            f"ratio.weight_bytes.{variant}_vs_bf16",
-            result["weight_bytes"] / base["weight_bytes"],
-            "x",
-        )
-        line(f"ratio.rss.{variant}_vs_bf16", result["rss_mb"] / base["rss_mb"], "x")
-        line(
-            f"ratio.decode_b1.{variant}_vs_bf16",
-            result["decode_b1_tok_s"] / base["decode_b1_tok_s"],
-            "x",
-        )
-        ratio = result["throughput64_tok_s"] / base["throughput64_tok_s"]
-        line(f"ratio.throughput64.{variant}_vs_bf16", ratio, "x")
+        for name, key in ratios.items():
+            ratio = results[variant][key] / base[key]
+            emit("quant", f"ratio.{name}.{variant}_vs_bf16", ratio, "x", **common)
 
 
 def main() -> None:
@@ -198,8 +152,8 @@ def main() -> None:
     parser.add_argument("--prepare", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.prepare:
-        prepare(args.prepare)
+    if args.prepare:  # the loader quantizes once (AWQ: a minute or so) and caches it
+        load_model(engine_config(args.prepare, args.threads))
         return
     if args.memory:
         print(json.dumps(measure_memory(args.memory, args.threads)))
@@ -209,9 +163,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     for variant in variants:
-        quant = VARIANTS[variant]
-        if quant is not None and not checkpoint_path(EngineConfig(), quant).is_file():
-            print(f"bench_quant: quantizing {variant} once...", file=sys.stderr)
+        if VARIANTS[variant] is not None:  # so no quantization work inflates the RSS figures
             run_child("--prepare", variant, args.threads)
     results: dict[str, dict[str, float]] = {}
     for variant in variants:
@@ -220,7 +172,7 @@ def main() -> None:
         results[variant].update(speed)
     common = {"threads": args.threads, "dtype": "bfloat16", "model": "default", "quick": args.quick,
               "int4": "g64 awq", "concurrency": CONCURRENCY}  # fmt: skip
-    emit(results, common)
+    report(results, common)
 
 
 if __name__ == "__main__":

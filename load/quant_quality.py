@@ -11,8 +11,8 @@ The default model's weights were de-quantized from a Q4_1 GGUF (groups of
 32), so re-quantizing to INT4 with group 32 can land on the original grid and
 look unrealistically good: group 64 is the headline.
 
-    python load/quant_quality.py [--quick] [--schemes int8,int4_g64_awq]
-    python load/quant_quality.py --make-data    # regenerate the reference continuations
+    python -m load.quant_quality [--quick] [--schemes int8,int4_g64_awq]
+    python -m load.quant_quality --make-data    # regenerate the reference continuations
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.awq import DEFAULT_CALIBRATION_PATH, calibration_token_ids  # noqa: E402
-from engine.config import EngineConfig, QuantConfig  # noqa: E402
-from engine.loader import load_model, resolve_model_dir  # noqa: E402
-from engine.quant import quantize_model  # noqa: E402
+from engine.awq import DEFAULT_CALIBRATION_PATH, calibration_token_ids
+from engine.chat import chat_prompt_ids
+from engine.config import EngineConfig, QuantConfig
+from engine.loader import load_model, resolve_model_dir
+from engine.quant import quantize_model
+from load.report import emit
 
 SCHEMES: dict[str, QuantConfig] = {
     "int8": QuantConfig("int8", method="rtn"),
@@ -107,24 +107,16 @@ def evaluate(names: list[str], num_prompts: int | None, dtype: str) -> list[dict
     return results
 
 
-def emit(results: list[dict], num_prompts: int, dtype: str) -> None:
+def report(results: list[dict], num_prompts: int, dtype: str) -> None:
     """One JSON line per figure, named as ../shared/BENCHMARKS.md asks."""
-    common = {"bench": "quant", "n_prompts": num_prompts, "dtype": dtype, "model": "default"}
-
-    def line(metric: str, value: float, unit: str, **extra: object) -> None:
-        print(
-            json.dumps(
-                {**common, "metric": metric, "value": round(value, 6), "unit": unit, **extra}
-            )
-        )
-
-    line("ppl.bf16" if dtype == "bfloat16" else f"ppl.{dtype}", results[0]["ppl_base"], "ppl")
+    common = {"n_prompts": num_prompts, "dtype": dtype, "model": "default"}
+    emit("quant", f"ppl.{dtype}", results[0]["ppl_base"], "ppl", **common)
     for result in results:
         name, note = result["scheme"], NOTES.get(result["scheme"])
-        extra = {"note": note} if note else {}
-        line(f"top1_agreement.{name}", result["top1_agreement"], "ratio", **extra)
-        line(f"kl.{name}", result["kl"], "nats", **extra)
-        line(f"ppl.{name}", result["ppl"], "ppl", **extra)
+        extra = {"note": note, **common} if note else common
+        emit("quant", f"top1_agreement.{name}", result["top1_agreement"], "ratio", **extra)
+        emit("quant", f"kl.{name}", result["kl"], "nats", **extra)
+        emit("quant", f"ppl.{name}", result["ppl"], "ppl", **extra)
 
 
 @torch.no_grad()
@@ -138,10 +130,7 @@ def make_references(path: Path, max_new_tokens: int = REFERENCE_TOKENS) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     for row in rows:
-        messages = [{"role": "user", "content": row["prompt"]}]
-        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)[
-            "input_ids"
-        ]
+        prompt_ids = chat_prompt_ids(tokenizer, row["prompt"])
         out = model.generate(
             torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False
         )
@@ -177,7 +166,7 @@ def main() -> None:
         parser.error(f"unknown schemes {unknown}; choose from {list(SCHEMES)}")
     num_prompts = QUICK_PROMPTS if args.quick else None
     results = evaluate(names, num_prompts, args.dtype)
-    emit(results, num_prompts or len(read_rows(DEFAULT_CALIBRATION_PATH)), args.dtype)
+    report(results, num_prompts or len(read_rows(DEFAULT_CALIBRATION_PATH)), args.dtype)
 
 
 if __name__ == "__main__":
