@@ -83,9 +83,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
-        """fp32 logits [sum(num_logits_rows), vocab]."""
+        """fp32 logits [sum(num_logits_rows), vocab], on the CPU where the sampler's
+        per-request generators live (a no-op copy on a CPU device)."""
         hidden = self.model(batch.input_ids, batch.meta)
-        return self.model.compute_logits(hidden[batch.logits_index])
+        return self.model.compute_logits(hidden[batch.logits_index]).cpu()
 
 
 def _tokens_with_spec(request: Request, start: int, end: int) -> list[int]:

@@ -23,9 +23,11 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def _config() -> TierserveConfig:
-    """configs/local.yaml (speculation on the interactive pool), with small exact engines."""
+    """configs/local.yaml (speculation on the interactive pool), with small exact engines:
+    unquantized, so both pools give the same greedy text (tests/test_quant_loader.py covers
+    the quantized load path)."""
     base = load_config("configs/local.yaml")
-    small = {"dtype": "float32", "num_kv_blocks": 64, "max_model_len": MAX_MODEL_LEN}
+    small = {"dtype": "float32", "num_kv_blocks": 64, "max_model_len": MAX_MODEL_LEN, "quant": None}
     pools = tuple(
         pool.model_copy(update={"engine": replace(pool.engine, **small)}) for pool in base.pools
     )
