@@ -13,6 +13,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.model import LlamaForCausalLM
+from engine.packed_linear import can_pack, pack_linears
 from engine.request import Request
 
 
@@ -36,6 +37,8 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
+        if can_pack(device, model.embed_tokens.weight.dtype):
+            pack_linears(model)
         self._allocate_kv_cache(num_blocks)
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:

@@ -25,6 +25,7 @@ from engine.awq import DEFAULT_CALIBRATION_PATH
 from engine.config import EngineConfig, QuantConfig
 from engine.engine import LLMEngine
 from engine.loader import load_model
+from engine.packed_linear import PackedLinear
 from engine.quant import QuantLinear
 from engine.sampling_params import SamplingParams
 from load.report import emit
@@ -35,13 +36,14 @@ VARIANTS: dict[str, QuantConfig | None] = {
     "int4": QuantConfig("int4", 64, "awq"),
 }
 CONCURRENCY = 64
+LINEARS = (torch.nn.Linear, QuantLinear, PackedLinear)
 
 
 def linear_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of every tensor held by the decoder's linear layers (tied lm_head excluded)."""
     total = 0
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear | QuantLinear) and not name.endswith("lm_head"):
+        if isinstance(module, LINEARS) and not name.endswith("lm_head"):
             total += sum(t.numel() * t.element_size() for t in module.state_dict().values())
     return total
 
