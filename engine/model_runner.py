@@ -37,17 +37,17 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
-        if can_pack(device, model.embed_tokens.weight.dtype):
+        self.dtype = model.embed_tokens.weight.dtype
+        if can_pack(device, self.dtype):
             pack_linears(model)
         self._allocate_kv_cache(num_blocks)
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         args = self.model.args
-        dtype = self.model.embed_tokens.weight.dtype
         shape = (num_blocks * self.block_size, args.num_kv_heads, args.head_dim)
         for attention in self.model.attention_layers():
-            attention.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-            attention.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            attention.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attention.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @staticmethod
     def bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -75,7 +75,9 @@ class ModelRunner:
                 sampling.append(request)
                 num_rows.append(rows)
                 logits_rows.extend(range(len(input_ids) - rows, len(input_ids)))
-        meta = AttentionMetadata.build(q_lens, kv_lens, tables, self.block_size, self.device)
+        meta = AttentionMetadata.build(
+            q_lens, kv_lens, tables, self.block_size, self.device, self.dtype
+        )
         return StepBatch(
             input_ids=torch.tensor(input_ids, device=self.device),
             meta=meta,
