@@ -136,6 +136,7 @@ class LLMEngine:
         logits = self.runner.execute(batch)
         for request, num_new in scheduled.num_new_tokens.items():
             request.num_computed_tokens += num_new
+            self.kv.cache_full_blocks(request)  # before a finish frees them
             self._note_first_scheduled(self.requests[request.request_id])
         outputs = [
             self._emit(request, rows)
@@ -143,9 +144,6 @@ class LLMEngine:
                 batch.sampling_requests, logits.split(batch.num_logits_rows), strict=True
             )
         ]
-        for request in scheduled.num_new_tokens:
-            if not request.is_finished:
-                self.kv.cache_full_blocks(request)
         self._count_generated(sum(len(o.new_token_ids) for o in outputs))
         return outputs
 

@@ -128,10 +128,14 @@ class KVCacheManager:
         return num_needed - (self.pool.num_free_blocks - num_idle_cached)
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Name every block whose tokens are all computed, so later requests can share it."""
+        """Name every block whose tokens are all computed, so later requests can share it.
+
+        Draft tokens computed this step are not yet tokens of the request (they may
+        be rejected), so only blocks of real tokens are named.
+        """
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         start = self._num_registered.get(request.request_id, 0)
         if num_full <= start:
             return

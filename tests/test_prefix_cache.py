@@ -85,3 +85,14 @@ def test_repeated_prompt_reuses_its_own_output_blocks(engine, tokenizer, compute
     num_cached = expected_cached(engine, prompt, first.token_ids, follow_up)
     assert second.num_cached_tokens == num_cached > len(prompt)
     assert computed_tokens["again"] == len(follow_up) - num_cached + len(second.token_ids) - 1
+
+
+def test_request_finishing_in_its_first_step_still_fills_the_cache(engine, tokenizer):
+    """max_tokens=1: the prompt is computed and the request freed in one step; its blocks
+    must have been named before they were freed."""
+    prompt = tokenizer.encode(SYSTEM + "Question: one word?")
+    run_requests(engine, {"once": (prompt, greedy(1))})
+    hits_before = engine.stats().prefix_cache_hits
+    run_requests(engine, {"again": (prompt, greedy(1))})
+    block = engine.config.block_size
+    assert engine.stats().prefix_cache_hits - hits_before == (len(prompt) - 1) // block * block
