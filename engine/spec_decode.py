@@ -38,6 +38,9 @@ class Proposal:
 
 
 class Proposer(Protocol):
+    cooldown_steps: int
+    """Steps a request waits, after its drafts kept failing, before it probes again."""
+
     def propose(self, requests: dict[Request, int]) -> dict[Request, Proposal]:
         """Up to `k` draft tokens for each request (`requests` maps request -> k)."""
         ...
@@ -48,6 +51,8 @@ class Proposer(Protocol):
 
 
 class NgramProposer:
+    cooldown_steps = 2  # proposing is free; only a failed verify costs (a few % at batch 1)
+
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
 
@@ -79,6 +84,8 @@ class DraftModelProposer:
     computed prefix is cut back to what still agrees with the target's real
     tokens, so rejected guesses are recomputed and accepted ones are kept.
     """
+
+    cooldown_steps = 8  # every probe costs k draft forward passes
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: str):
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
@@ -154,13 +161,13 @@ class _BackoffState:
 
 class Backoff:
     """Per-request draft length: grows by one after a fully accepted draft, halves after
-    a fully rejected one, and after dropping to zero waits a few steps before probing
-    again with a single token."""
+    a fully rejected one, and after dropping to zero waits `cooldown_steps` before
+    probing again with a single token. A proposer that is free to run (prompt lookup)
+    probes sooner than one that costs forward passes (a draft model)."""
 
-    COOLDOWN_STEPS = 8
-
-    def __init__(self, max_k: int) -> None:
+    def __init__(self, max_k: int, cooldown_steps: int) -> None:
         self.max_k = max_k
+        self.cooldown_steps = cooldown_steps
         self._state: dict[str, _BackoffState] = {}
 
     def k_for(self, request_id: str) -> int:
@@ -178,7 +185,7 @@ class Backoff:
         elif num_accepted == 0:
             state.k //= 2
             if state.k == 0:
-                state.cooldown = self.COOLDOWN_STEPS
+                state.cooldown = self.cooldown_steps
 
     def forget(self, request_id: str) -> None:
         self._state.pop(request_id, None)
@@ -194,7 +201,7 @@ class Speculator:
 
     def __init__(self, proposer: Proposer, max_k: int) -> None:
         self.proposer = proposer
-        self.backoff = Backoff(max_k)
+        self.backoff = Backoff(max_k, proposer.cooldown_steps)
         self._draft_probs: dict[str, torch.Tensor | None] = {}
         self.num_drafts = 0
         self.num_draft_tokens = 0

@@ -268,6 +268,8 @@ class ScriptedProposer:
     muted by the back-off after a few misses, rarely manage in a short test.
     """
 
+    cooldown_steps = 1
+
     def __init__(self, answer: list[int], vocab_size: int, seed: int) -> None:
         self.answer, self.vocab_size, self.rng = answer, vocab_size, random.Random(seed)
 
@@ -424,16 +426,17 @@ def test_rejection_sampling_keeps_target_distribution(case):
 # ---- back-off, proposers, who speculates ------------------------------------
 
 
-def test_backoff_shrinks_cools_down_probes_and_grows():
-    backoff = Backoff(max_k=4)
+@pytest.mark.parametrize("cooldown_steps", [2, 8])
+def test_backoff_shrinks_cools_down_probes_and_grows(cooldown_steps):
+    backoff = Backoff(max_k=4, cooldown_steps=cooldown_steps)
     assert backoff.k_for("r") == 4
     for expected_k in (2, 1, 0):  # a fully rejected draft halves k
         backoff.record("r", backoff.k_for("r"), 0)
         assert backoff._state["r"].k == expected_k
-    cooldown = [backoff.k_for("r") for _ in range(Backoff.COOLDOWN_STEPS)]
-    assert cooldown == [0] * (Backoff.COOLDOWN_STEPS - 1) + [1]  # then a 1-token probe
+    cooldown = [backoff.k_for("r") for _ in range(cooldown_steps)]
+    assert cooldown == [0] * (cooldown_steps - 1) + [1]  # then a 1-token probe
     backoff.record("r", 1, 0)  # the probe failed: back to zero and cooling down
-    assert [backoff.k_for("r") for _ in range(Backoff.COOLDOWN_STEPS)][-1] == 1
+    assert [backoff.k_for("r") for _ in range(cooldown_steps)][-1] == 1
     for expected_k in (2, 3, 4, 4):  # full acceptance grows k by one, up to max_k
         backoff.record("r", backoff.k_for("r"), backoff.k_for("r"))
         assert backoff.k_for("r") == expected_k
