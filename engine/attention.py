@@ -1,4 +1,4 @@
-"""Paged attention over a packed batch, in plain torch (the CPU path).
+"""Paged attention over a packed batch.
 
 Each step's tokens are packed into one [T] row, sequence after sequence; every
 sequence brings `q_len` new tokens and attends to `kv_len` positions (its
@@ -6,11 +6,14 @@ cached context plus the new tokens). The KV cache is one flat array of slots
 per layer; a slot is `block_id * block_size + offset`.
 
 Sequences are attended in groups so padding stays cheap: all short queries
-(decodes, speculative verification) share one padded SDPA call, and each
-prefill chunk gets its own. A group gathers its sequences' context block by
-block (one `index_select` of contiguous rows is several times faster than
-gathering slot by slot); a chunk with no cached context skips the cache and
-attends to its own K/V with a plain causal mask.
+(decodes, speculative verification) share one group, and each prefill chunk
+gets its own. On a CPU with a C compiler the short queries go to a kernel that
+reads the paged cache in place (engine/kernels/paged_attention.c); otherwise,
+and for prefill chunks, a group is one padded SDPA call. A padded group
+gathers its sequences' context block by block (one `index_select` of
+contiguous rows is several times faster than gathering slot by slot); a chunk
+with no cached context skips the cache and attends to its own K/V with a
+plain causal mask.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels import paged_attention as kernels
 
 SHORT_QUERY_MAX = 8
 """Queries up to this many tokens (decodes, verification of k drafts) share one group."""
@@ -33,12 +38,54 @@ class AttentionGroup:
     block_index: torch.Tensor | None  # [B * max_blocks] context block ids; None: no cache read
     mask: torch.Tensor | None  # [B, 1, max_q, max_blocks * block_size] 0 where visible, else -inf
 
+    def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        """[G_T, H, D] outputs of this group's queries."""
+        q_b = q[self.query_index].transpose(1, 2)  # [B, H, max_q, D]
+        if self.block_index is None:  # a fresh chunk: its own K/V are the whole context
+            k_b = k[self.query_index].transpose(1, 2)  # [1, KVH, q_len, D]
+            v_b = v[self.query_index].transpose(1, 2)
+            out = F.scaled_dot_product_attention(q_b, k_b, v_b, is_causal=True, enable_gqa=True)
+        else:
+            k_b = self._gather_blocks(k_cache)  # [B, KVH, max_blocks * block_size, D]
+            v_b = self._gather_blocks(v_cache)
+            out = F.scaled_dot_product_attention(
+                q_b, k_b, v_b, attn_mask=self.mask, enable_gqa=True
+            )
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        return out.transpose(1, 2).reshape(-1, num_heads, head_dim)[self.unpad_index]
+
+    def _gather_blocks(self, cache: torch.Tensor) -> torch.Tensor:
+        assert self.mask is not None and self.block_index is not None
+        num_seqs, kv_len = self.mask.shape[0], self.mask.shape[-1]
+        num_heads, head_dim = cache.shape[1], cache.shape[2]
+        num_blocks = self.block_index.shape[0] // num_seqs
+        rows = cache.view(-1, (kv_len // num_blocks) * num_heads * head_dim)  # a row per block
+        gathered = rows.index_select(0, self.block_index)
+        return gathered.view(num_seqs, kv_len, num_heads, head_dim).transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class KernelGroup:
+    """Short queries for the in-place CPU kernel: no padding, no gathered copy."""
+
+    token_index: torch.Tensor  # [G_T] packed-token rows this group computes
+    block_tables: torch.Tensor  # [B, max_blocks] 0-padded
+    query_seq: torch.Tensor  # [G_T] row of block_tables each query reads
+    visible: torch.Tensor  # [G_T] context positions each query sees
+    block_size: int
+
+    def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        return kernels.paged_attention(
+            q[self.token_index], k_cache, v_cache, self.block_tables, self.query_seq,
+            self.visible, self.block_size,
+        )  # fmt: skip
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
     positions: torch.Tensor  # [T] absolute position of each packed token
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
-    groups: list[AttentionGroup]
+    groups: list[AttentionGroup | KernelGroup]
 
     @classmethod
     def build(
@@ -59,12 +106,18 @@ class AttentionMetadata:
             for s, pos in zip(seqs, positions, strict=True)
         ]
         short = [s for s in seqs if s.q_len <= SHORT_QUERY_MAX]
-        groups = [_group(short, block_size, dtype)] if short else []
-        groups += [_group([s], block_size, dtype) for s in seqs if s.q_len > SHORT_QUERY_MAX]
+        long = [s for s in seqs if s.q_len > SHORT_QUERY_MAX]
+        in_place = torch.device(device).type == "cpu" and kernels.available(dtype)
+        groups: list[AttentionGroup | KernelGroup] = []
+        if short:
+            groups.append(
+                _kernel_group(short, block_size) if in_place else _group(short, block_size, dtype)
+            )
+        groups += [_group([s], block_size, dtype) for s in long]
         return cls(
             positions=torch.cat(positions).to(device),
             slot_mapping=torch.cat(slots).to(device),
-            groups=[_to(g, device) for g in groups],
+            groups=[g if isinstance(g, KernelGroup) else _to(g, device) for g in groups],
         )
 
 
@@ -110,6 +163,22 @@ def _group(seqs: list[_Seq], block_size: int, dtype: torch.dtype) -> AttentionGr
     )
 
 
+def _kernel_group(seqs: list[_Seq], block_size: int) -> KernelGroup:
+    q_lens = torch.tensor([s.q_len for s in seqs])
+    query_seq = torch.arange(len(seqs)).repeat_interleave(q_lens)
+    # Query j of a sequence with q_len new tokens sees all but its last q_len - 1 - j.
+    offsets = torch.cat([torch.arange(s.q_len) for s in seqs])
+    first_visible = torch.tensor([s.kv_len - s.q_len + 1 for s in seqs]).repeat_interleave(q_lens)
+    max_blocks = -(-max(s.kv_len for s in seqs) // block_size)
+    return KernelGroup(
+        token_index=torch.cat([torch.arange(s.start, s.start + s.q_len) for s in seqs]),
+        block_tables=_pad_tables([s.block_table for s in seqs], max_blocks),
+        query_seq=query_seq,
+        visible=first_visible + offsets,
+        block_size=block_size,
+    )
+
+
 def _pad_tables(block_tables: list[list[int]], width: int) -> torch.Tensor:
     """Block tables cut or 0-padded to `width` (tables may hold lookahead blocks past it)."""
     rows = [table[:width] + [0] * (width - len(table[:width])) for table in block_tables]
@@ -142,29 +211,5 @@ def paged_attention(
     v_cache[meta.slot_mapping] = v
     out = torch.empty_like(q)
     for group in meta.groups:
-        out[group.token_index] = _attend_group(q, k, v, k_cache, v_cache, group)
+        out[group.token_index] = group.attend(q, k, v, k_cache, v_cache)
     return out
-
-
-def _attend_group(q, k, v, k_cache, v_cache, group: AttentionGroup) -> torch.Tensor:
-    q_b = q[group.query_index].transpose(1, 2)  # [B, H, max_q, D]
-    if group.block_index is None:  # a fresh chunk: its own K/V are the whole context
-        k_b = k[group.query_index].transpose(1, 2)  # [1, KVH, q_len, D]
-        v_b = v[group.query_index].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q_b, k_b, v_b, is_causal=True, enable_gqa=True)
-    else:
-        k_b = _gather_blocks(k_cache, group)  # [B, KVH, max_blocks * block_size, D]
-        v_b = _gather_blocks(v_cache, group)
-        out = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=group.mask, enable_gqa=True)
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    return out.transpose(1, 2).reshape(-1, num_heads, head_dim)[group.unpad_index]
-
-
-def _gather_blocks(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-    assert group.mask is not None and group.block_index is not None
-    num_seqs, kv_len = group.mask.shape[0], group.mask.shape[-1]
-    num_heads, head_dim = cache.shape[1], cache.shape[2]
-    num_blocks = group.block_index.shape[0] // num_seqs
-    rows = cache.view(-1, (kv_len // num_blocks) * num_heads * head_dim)  # one row per block
-    gathered = rows.index_select(0, group.block_index)
-    return gathered.view(num_seqs, kv_len, num_heads, head_dim).transpose(1, 2)

@@ -1,0 +1,100 @@
+"""The CPU paged-attention kernel for short queries (paged_attention.c), built on first use.
+
+The C file is compiled once with the system C compiler into the cache
+directory (well under a second) and called through ctypes: no build step at
+install, no torch headers. Where no compiler is found, or the build fails,
+`available()` is False and attention keeps to its torch path, which is also
+the reference the tests compare this kernel against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from engine.config import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.c")
+FLAGS = (
+    "-O3", "-march=native", "-shared", "-fPIC",
+    # Let the compiler vectorize the dot products (reassociation) without the
+    # finite-math assumptions of -ffast-math: the softmax starts from -inf.
+    "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+)  # fmt: skip
+_ENTRY_POINTS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
+_ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+_ARGTYPES += [ctypes.c_int64] * 5 + [ctypes.c_float]
+
+
+def available(dtype: torch.dtype) -> bool:
+    """The kernel is built and handles this dtype (set TIERSERVE_NATIVE_ATTENTION=0 to opt out)."""
+    return dtype in _ENTRY_POINTS and _library() is not None
+
+
+def paged_attention(
+    q: torch.Tensor,  # [N, H, D] one row per query token
+    k_cache: torch.Tensor,  # [num_slots, KVH, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
+    query_seq: torch.Tensor,  # [N] int64: the sequence each query belongs to
+    visible: torch.Tensor,  # [N] int64: context positions each query sees
+    block_size: int,
+) -> torch.Tensor:
+    """[N, H, D] attention outputs, read straight from the paged cache."""
+    lib = _library()
+    assert lib is not None, "call available() first"
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    num_queries, num_heads, head_dim = q.shape
+    status = getattr(lib, _ENTRY_POINTS[q.dtype])(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        block_tables.data_ptr(), block_tables.shape[1], query_seq.data_ptr(), visible.data_ptr(),
+        num_queries, num_heads, k_cache.shape[1], head_dim, block_size, head_dim**-0.5,
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(f"paged attention: head_dim {head_dim} or GQA group too large")
+    return out
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("TIERSERVE_NATIVE_ATTENTION", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning("no C compiler found: paged attention stays on its torch path")
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        log.warning("paged attention kernel unavailable (%s): using the torch path", exc)
+        return None
+    for name in _ENTRY_POINTS.values():
+        getattr(library, name).argtypes = _ARGTYPES
+        getattr(library, name).restype = ctypes.c_int
+    return library
+
+
+def _build(compiler: str) -> Path:
+    """Compile once per source, flags and machine; later processes load the cached library."""
+    key = SOURCE.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
+    target = default_cache_dir() / "kernels" / f"paged_attention-{digest}.so"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(f".{os.getpid()}.tmp")
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)], check=True,
+                       capture_output=True)  # fmt: skip
+        partial.rename(target)
+    return target

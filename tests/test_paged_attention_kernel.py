@@ -1,0 +1,67 @@
+"""The in-place CPU paged-attention kernel against the padded torch path it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import attention
+from engine.attention import AttentionMetadata, KernelGroup
+from engine.kernels import paged_attention as kernels
+
+BLOCK = 4
+HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16
+
+
+def _case(q_lens: list[int], kv_lens: list[int], dtype: torch.dtype, seed: int = 0):
+    """Random cache contents, block tables scattered over a pool, and this step's q/k/v."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // BLOCK) for n in kv_lens) + 5
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for n in kv_lens:
+        tables.append(order[: -(-n // BLOCK)])
+        order = order[-(-n // BLOCK) :]
+    k_cache = torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    num_tokens = sum(q_lens)
+    q = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    return q, k, v, k_cache, v_cache, tables
+
+
+def _run(case, q_lens, kv_lens, dtype, use_kernel: bool, monkeypatch) -> torch.Tensor:
+    q, k, v, k_cache, v_cache, tables = (t.clone() if torch.is_tensor(t) else t for t in case)
+    monkeypatch.setattr(kernels, "available", lambda _dtype: use_kernel)
+    meta = AttentionMetadata.build(q_lens, kv_lens, tables, BLOCK, "cpu", dtype)
+    assert any(isinstance(g, KernelGroup) for g in meta.groups) == use_kernel
+    return attention.paged_attention(q, k, v, k_cache, v_cache, meta)
+
+
+pytestmark = pytest.mark.skipif(
+    not kernels.available(torch.float32), reason="no C compiler to build the kernel"
+)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+    ("q_lens", "kv_lens"),
+    [
+        ([1], [1]),  # the first decode token of a one-token prompt
+        ([1, 1, 1], [5, 17, 33]),  # decodes of different lengths, blocks scattered
+        ([3, 1, 5], [9, 40, 12]),  # draft verification: several queries per sequence
+        ([1, 20, 2], [8, 20, 30]),  # a prefill chunk stays on the padded path beside them
+    ],
+)
+def test_kernel_matches_padded_torch_path(q_lens, kv_lens, dtype, tolerance, monkeypatch):
+    case = _case(q_lens, kv_lens, dtype)
+    expected = _run(case, q_lens, kv_lens, dtype, use_kernel=False, monkeypatch=monkeypatch)
+    actual = _run(case, q_lens, kv_lens, dtype, use_kernel=True, monkeypatch=monkeypatch)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_queries_of_one_sequence_see_causal_prefixes():
+    group = attention._kernel_group([attention._Seq(3, 10, [0, 1, 2], 0)], BLOCK)
+    assert group.visible.tolist() == [8, 9, 10]
+    assert group.query_seq.tolist() == [0, 0, 0]
