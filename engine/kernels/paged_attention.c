@@ -35,15 +35,22 @@ static inline uint16_t store_bf16(float f) { /* round to nearest even */
     return (uint16_t)(bits >> 16);
 }
 
+/* Scores, softmax weights and the V sum are computed a block (block_size positions) at a
+ * time, so the running maximum is rescaled once per block and the exponentials run as
+ * one vectorizable loop. Scores start from a finite floor (the build uses -ffast-math). */
+#define MAX_BLOCK 64
+#define FLOOR -1e30f
+
 #define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE)                                           \
     int NAME(const T *q, const T *k_cache, const T *v_cache, T *out,                          \
              const int64_t *block_tables, int64_t max_blocks, const int64_t *query_seq,       \
              const int64_t *visible, int64_t num_queries, int64_t num_heads,                  \
              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {       \
         int64_t group = num_heads / num_kv_heads;                                             \
-        if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP) return -1;                          \
+        if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK) return -1; \
         float qs[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                      \
-        float kf[MAX_HEAD_DIM], vf[MAX_HEAD_DIM], run_max[MAX_GROUP], run_sum[MAX_GROUP];     \
+        float kf[MAX_BLOCK][MAX_HEAD_DIM], vf[MAX_BLOCK][MAX_HEAD_DIM];                       \
+        float score[MAX_GROUP][MAX_BLOCK], run_max[MAX_GROUP], run_sum[MAX_GROUP];            \
         for (int64_t i = 0; i < num_queries; i++) {                                           \
             const int64_t *table = block_tables + query_seq[i] * max_blocks;                  \
             for (int64_t g = 0; g < num_kv_heads; g++) {                                      \
@@ -53,29 +60,41 @@ static inline uint16_t store_bf16(float f) { /* round to nearest even */
                         qs[h][d] = LOAD(qh[d]) * scale;                                       \
                         acc[h][d] = 0.0f;                                                     \
                     }                                                                         \
-                    run_max[h] = -INFINITY;                                                   \
+                    run_max[h] = FLOOR;                                                       \
                     run_sum[h] = 0.0f;                                                        \
                 }                                                                             \
-                for (int64_t pos = 0; pos < visible[i]; pos++) {                              \
-                    int64_t slot = table[pos / block_size] * block_size + pos % block_size;   \
-                    const T *kp = k_cache + (slot * num_kv_heads + g) * head_dim;             \
-                    const T *vp = v_cache + (slot * num_kv_heads + g) * head_dim;             \
-                    for (int64_t d = 0; d < head_dim; d++) {                                  \
-                        kf[d] = LOAD(kp[d]);                                                  \
-                        vf[d] = LOAD(vp[d]);                                                  \
+                for (int64_t start = 0; start < visible[i]; start += block_size) {            \
+                    int64_t n = visible[i] - start < block_size ? visible[i] - start : block_size; \
+                    int64_t base = table[start / block_size] * block_size;                    \
+                    for (int64_t p = 0; p < n; p++) {                                         \
+                        const T *kp = k_cache + ((base + p) * num_kv_heads + g) * head_dim;   \
+                        const T *vp = v_cache + ((base + p) * num_kv_heads + g) * head_dim;   \
+                        for (int64_t d = 0; d < head_dim; d++) {                              \
+                            kf[p][d] = LOAD(kp[d]);                                           \
+                            vf[p][d] = LOAD(vp[d]);                                           \
+                        }                                                                     \
                     }                                                                         \
                     for (int64_t h = 0; h < group; h++) {                                     \
-                        float score = 0.0f;                                                   \
-                        for (int64_t d = 0; d < head_dim; d++) score += qs[h][d] * kf[d];     \
-                        if (score > run_max[h]) { /* rescale what was summed so far */        \
-                            float shrink = expf(run_max[h] - score);                          \
+                        float block_max = FLOOR;                                              \
+                        for (int64_t p = 0; p < n; p++) {                                     \
+                            float s = 0.0f;                                                   \
+                            for (int64_t d = 0; d < head_dim; d++) s += qs[h][d] * kf[p][d];  \
+                            score[h][p] = s;                                                  \
+                            block_max = s > block_max ? s : block_max;                        \
+                        }                                                                     \
+                        if (block_max > run_max[h]) { /* rescale what was summed so far */    \
+                            float shrink = expf(run_max[h] - block_max);                      \
                             run_sum[h] *= shrink;                                             \
                             for (int64_t d = 0; d < head_dim; d++) acc[h][d] *= shrink;       \
-                            run_max[h] = score;                                               \
+                            run_max[h] = block_max;                                           \
                         }                                                                     \
-                        float weight = expf(score - run_max[h]);                              \
-                        run_sum[h] += weight;                                                 \
-                        for (int64_t d = 0; d < head_dim; d++) acc[h][d] += weight * vf[d];   \
+                        for (int64_t p = 0; p < n; p++) {                                     \
+                            score[h][p] = expf(score[h][p] - run_max[h]);                     \
+                            run_sum[h] += score[h][p];                                        \
+                        }                                                                     \
+                        for (int64_t p = 0; p < n; p++)                                       \
+                            for (int64_t d = 0; d < head_dim; d++)                            \
+                                acc[h][d] += score[h][p] * vf[p][d];                          \
                     }                                                                         \
                 }                                                                             \
                 for (int64_t h = 0; h < group; h++) {                                         \
