@@ -47,8 +47,9 @@ class LLMEngine:
         self.config = config
         self.model, self.tokenizer = load_model(config)
         args = self.model.args
-        self.max_model_len = min(config.max_model_len or args.max_position_embeddings,
-                                 args.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
+        )
         self.eos_token_ids = _eos_token_ids(self.tokenizer)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(config)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -138,11 +139,10 @@ class LLMEngine:
             request.num_computed_tokens += num_new
             self.kv.cache_full_blocks(request)  # before a finish frees them
             self._note_first_scheduled(self.requests[request.request_id])
+        new_tokens = self._sample(batch.sampling_requests, logits, batch.num_logits_rows)
         outputs = [
-            self._emit(request, rows)
-            for request, rows in zip(
-                batch.sampling_requests, logits.split(batch.num_logits_rows), strict=True
-            )
+            self._append(self.requests[request.request_id], *new_tokens[request])
+            for request in batch.sampling_requests
         ]
         self._count_generated(sum(len(o.new_token_ids) for o in outputs))
         return outputs
@@ -152,16 +152,28 @@ class LLMEngine:
         if tracked.queue_time_s is None:
             tracked.queue_time_s = time.monotonic() - tracked.arrival_s
 
-    def _emit(self, request: Request, logits: torch.Tensor) -> RequestOutput:
-        """Sample (or verify drafts) from this request's logits rows and append the result."""
-        tracked = self.requests[request.request_id]
-        row = self._sample_row(tracked)
-        if request.spec_token_ids:
-            assert self.speculator is not None
-            token_ids, logprobs = self.speculator.verify(request, logits, row)
-        else:
-            token_ids, logprobs = sample(logits, [row])
-        return self._append(tracked, token_ids, logprobs)
+    def _sample(
+        self, requests: list[Request], logits: torch.Tensor, num_rows: list[int]
+    ) -> dict[Request, tuple[list[int], list[float]]]:
+        """New tokens and their logprobs per request: one batched draw for the requests
+        without drafts, a verification for each request with some."""
+        first_row = torch.tensor([0, *num_rows[:-1]]).cumsum(0).tolist()
+        plain = [i for i, r in enumerate(requests) if not r.spec_token_ids]
+        rows = [self._sample_row(self.requests[requests[i].request_id]) for i in plain]
+        plain_logits = (
+            logits if len(plain) == len(logits) else logits[[first_row[i] for i in plain]]
+        )
+        token_ids, logprobs = sample(plain_logits, rows) if plain else ([], [])
+        out = {
+            requests[i]: ([t], [lp]) for i, t, lp in zip(plain, token_ids, logprobs, strict=True)
+        }
+        for i, request in enumerate(requests):
+            if request.spec_token_ids:
+                assert self.speculator is not None
+                own_rows = logits[first_row[i] : first_row[i] + num_rows[i]]
+                row = self._sample_row(self.requests[request.request_id])
+                out[request] = self.speculator.verify(request, own_rows, row)
+        return out
 
     def _sample_row(self, tracked: _Tracked) -> SampleRow:
         request, params = tracked.request, tracked.request.params

@@ -31,9 +31,20 @@ class SampleRow:
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[float]]:
     """One token per row of `logits` [N, V], and its log-probability under the raw model."""
     logprobs = torch.log_softmax(logits, dim=-1)
-    token_ids = [_sample_row(logits[i], row) for i, row in enumerate(rows)]
+    argmax = logits.argmax(dim=-1).tolist()  # one batched call serves every plain greedy row
+    token_ids = [
+        argmax[i] if _is_plain_greedy(row) else _sample_row(logits[i], row)
+        for i, row in enumerate(rows)
+    ]
     chosen = logprobs[torch.arange(len(rows)), torch.tensor(token_ids, dtype=torch.long)]
     return token_ids, chosen.tolist()
+
+
+def _is_plain_greedy(row: SampleRow) -> bool:
+    """Greedy with no logit adjustment due: the batched argmax is its answer."""
+    params = row.params
+    banned = row.num_output_tokens < params.min_tokens and row.banned_until_min_tokens
+    return params.greedy and params.repetition_penalty == 1.0 and not banned
 
 
 def _sample_row(logits: torch.Tensor, row: SampleRow) -> int:

@@ -65,3 +65,9 @@ def test_queries_of_one_sequence_see_causal_prefixes():
     group = attention._kernel_group([attention._Seq(3, 10, [0, 1, 2], 0)], BLOCK)
     assert group.visible.tolist() == [8, 9, 10]
     assert group.query_seq.tolist() == [0, 0, 0]
+
+
+def test_loading_the_kernel_keeps_subnormal_floats():
+    """A library linked with -ffast-math would switch the process to flush-to-zero."""
+    assert kernels.available(torch.float32)
+    assert (torch.tensor([1e-40]) * 1.0).item() != 0.0  # a float32 subnormal

@@ -26,13 +26,15 @@ from engine.config import default_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
-FLAGS = (
+COMPILE_FLAGS = (
     # -ffast-math lets the compiler vectorize the dot products (reassociation) and the
     # exponentials (glibc's vector expf, from libmvec through -lm); the kernel keeps
     # every value finite, as fast-math assumes.
-    "-O3", "-march=native", "-ffast-math", "-shared", "-fPIC",
+    "-O3", "-march=native", "-ffast-math", "-fPIC",
 )  # fmt: skip
-LIBS = ("-lm",)
+LINK_FLAGS = ("-shared", "-lm")
+"""Linked in a separate step without -ffast-math: linking with it would add crtfastmath,
+whose constructor switches the whole process to flush-denormals-to-zero."""
 _ENTRY_POINTS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
 _ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
 _ARGTYPES += [ctypes.c_int64] * 5 + [ctypes.c_float]
@@ -89,13 +91,19 @@ def _library() -> ctypes.CDLL | None:
 
 def _build(compiler: str) -> Path:
     """Compile once per source, flags and machine; later processes load the cached library."""
-    key = SOURCE.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode()
+    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
+    key = SOURCE.read_bytes() + flags.encode() + platform.machine().encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
     target = default_cache_dir() / "kernels" / f"paged_attention-{digest}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(f".{os.getpid()}.tmp")
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial), *LIBS], check=True,
-                       capture_output=True)  # fmt: skip
+        obj = partial.with_suffix(".o")
+        for command in (
+            [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+            [compiler, str(obj), "-o", str(partial), *LINK_FLAGS],
+        ):
+            subprocess.run(command, check=True, capture_output=True)
+        obj.unlink()
         partial.rename(target)
     return target
