@@ -30,7 +30,9 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Insertion order is eviction order: the head is the least recently freed.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._by_hash: dict[int, KVBlock] = {}
+        # Several blocks may hold the same content (computed by two requests before
+        # either was named): any of them serves a lookup, and evicting one keeps the rest.
+        self._by_hash: dict[int, dict[int, KVBlock]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -45,7 +47,9 @@ class BlockPool:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:
-            if self._by_hash.get(block.block_hash) is block:
+            same_content = self._by_hash[block.block_hash]
+            del same_content[block_id]
+            if not same_content:
                 del self._by_hash[block.block_hash]
             block.block_hash = None
         block.ref_count = 1
@@ -64,12 +68,14 @@ class BlockPool:
             self._free[block.block_id] = None
 
     def lookup(self, block_hash: int) -> KVBlock | None:
-        return self._by_hash.get(block_hash)
+        """A block with this content, preferring one in use: sharing it costs no free block."""
+        same_content = self._by_hash.get(block_hash, {}).values()
+        return max(same_content, key=lambda block: block.ref_count > 0, default=None)
 
     def register(self, block: KVBlock, block_hash: int) -> None:
-        """Name a full block; an existing block with the same content keeps the name."""
+        """Name a full block (naming it again, from a request that shares it, is a no-op)."""
         block.block_hash = block_hash
-        self._by_hash.setdefault(block_hash, block)
+        self._by_hash.setdefault(block_hash, {})[block.block_id] = block
 
 
 class KVCacheManager:
