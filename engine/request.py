@@ -31,11 +31,9 @@ class Request:
     params: SamplingParams
     priority: int = 0
     """Lower runs first (vLLM's convention)."""
-    eos_token_id: int | None = None
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     token_ids: list[int] = field(init=False)
     """Prompt then output tokens, appended to in place."""
-    output_logprobs: list[float] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
