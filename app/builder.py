@@ -11,7 +11,8 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig
 
-from app.config import PoolConfig, TierserveConfig
+from app.config import TierserveConfig
+from deployments.config import PoolConfig
 from deployments.ingress import Ingress
 from deployments.pool import EngineFactory, Pool
 
@@ -23,7 +24,7 @@ def build_app(config: TierserveConfig, engine_cls: EngineFactory | None = None) 
     """The whole graph; `engine_cls` swaps the engine (tests pass a fake)."""
     # Serve's decorator is not typed for classes: mypy still sees the plain class.
     pools = {
-        p.name: Pool.options(**_pool_options(p)).bind(p, engine_cls)  # type: ignore[attr-defined]
+        p.name: Pool.options(**_pool_options(p)).bind(p.engine, engine_cls)  # type: ignore[attr-defined]
         for p in config.pools
     }
     ingress = Ingress.options(  # type: ignore[attr-defined]

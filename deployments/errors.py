@@ -6,7 +6,7 @@ import math
 
 from starlette.responses import JSONResponse
 
-from app.schemas import ErrorDetail, ErrorResponse
+from deployments.schemas import ErrorDetail, ErrorResponse
 
 
 class ApiError(Exception):

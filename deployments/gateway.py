@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from app.config import ApiKeyConfig, GatewayConfig
+from deployments.config import ApiKeyConfig, GatewayConfig
 from deployments.errors import ApiError, too_many_requests
 from policies.rate_limit import RateLimiter
 

@@ -23,8 +23,8 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from app import schemas
-from app.config import ApiKeyConfig, TierserveConfig
+from deployments import schemas
+from deployments.config import ApiKeyConfig, IngressConfig
 from deployments.errors import ApiError, bad_request, context_length_exceeded, too_many_requests
 from deployments.gateway import Gateway
 from deployments.openai_api import (
@@ -89,7 +89,7 @@ class Job:
 class Ingress:
     # Serve awaits an async constructor: the pools' tokenizer is fetched before traffic.
     async def __init__(  # type: ignore[misc]
-        self, config: TierserveConfig, pools: dict[str, DeploymentHandle]
+        self, config: IngressConfig, pools: dict[str, DeploymentHandle]
     ) -> None:
         self._config = config
         self._pools = pools

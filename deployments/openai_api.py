@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ValidationError
 
-from app import schemas as s
+from deployments import schemas as s
 from deployments.errors import bad_request
 from deployments.streaming import ChoiceProgress, usage
 from engine.sampling_params import SamplingParams

@@ -1,6 +1,6 @@
 """The pool deployment: one engine per replica, streaming token deltas to the ingress.
 
-A pool is a config entry (app.config.PoolConfig), not a subclass: the
+A pool is a config entry (deployments.config.PoolConfig), not a subclass: the
 interactive and offline pools are this class with different engine settings.
 The engine class is injectable so deployment tests run a fake without a model.
 """
@@ -14,7 +14,6 @@ from typing import Any, Protocol, cast
 
 from ray import serve
 
-from app.config import PoolConfig
 from engine.config import EngineConfig
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -78,8 +77,18 @@ def _default_engine_cls() -> EngineFactory:
 
 @serve.deployment
 class Pool:
-    def __init__(self, config: PoolConfig, engine_cls: EngineFactory | None = None) -> None:
-        self._engine = (engine_cls or _default_engine_cls())(config.engine)
+    """One engine per replica: streams generations, reports load, fails health when wedged.
+
+    The replica owns its process, so it sets the process-wide torch thread count
+    from the engine config before building the engine.
+    """
+
+    def __init__(self, config: EngineConfig, engine_cls: EngineFactory | None = None) -> None:
+        if engine_cls is None:
+            from engine.process import configure_process  # torch: only real replicas need it
+
+            configure_process(config)
+        self._engine = (engine_cls or _default_engine_cls())(config)
 
     async def generate(self, request: PoolRequest) -> AsyncIterator[RequestOutput]:
         """Stream the engine's deltas; leaving early (cancel, disconnect) aborts in the engine.

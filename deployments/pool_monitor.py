@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from app.config import PoolConfig
+from deployments.config import PoolConfig
 from deployments.pool import ReplicaStats
 from engine.outputs import EngineStats
 from policies.routing import PoolLoad

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from app.schemas import Usage
+from deployments.schemas import Usage
 from engine.outputs import RequestOutput
 
 T = TypeVar("T")

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from app.config import PoolConfig
+from deployments.config import PoolConfig
 from deployments.pool_monitor import PoolMonitor
 from deployments.streaming import ChoiceProgress, usage
 from engine.outputs import EngineStats

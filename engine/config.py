@@ -85,8 +85,12 @@ class EngineConfig:
     max_model_len: int | None = None
     """Context limit; None means the model's own."""
     enable_prefix_caching: bool = True
+    native_attention: bool = True
+    """Use the C paged-attention kernel for short queries on a CPU when it builds; False
+    keeps the torch path (the kernel's reference)."""
     num_threads: int | None = None
-    """torch intra-op threads; None leaves torch's default."""
+    """torch intra-op threads, applied by the process owner (engine.process.configure_process);
+    None leaves torch's default."""
     cache_dir: Path = field(default_factory=default_cache_dir)
     seed: int = 0
     spec_decode: SpecDecodeConfig | None = None

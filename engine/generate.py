@@ -9,8 +9,9 @@ import argparse
 import sys
 import time
 
-from engine.chat import chat_prompt_ids
+from engine.model.chat import chat_prompt_ids
 from engine.config import EngineConfig
+from engine.process import configure_process
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
@@ -40,7 +41,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     except ValueError as exc:
         sys.exit(f"error: {exc}")
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads))
+    config = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads)
+    configure_process(config)
+    engine = LLMEngine(config)
     tokenizer = engine.tokenizer
     if args.raw:
         prompt_ids = tokenizer.encode(args.prompt)

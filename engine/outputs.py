@@ -1,8 +1,21 @@
-"""What the engine hands back: one RequestOutput per request per step, and live stats."""
+"""What comes out of a step: the runner's tokens for the scheduler, and what the engine hands
+back (one RequestOutput per request per step, and live stats)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from engine.request import Request
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What a step produced, per request that caught up with its tokens."""
+
+    sampled_token_ids: dict[Request, list[int]] = field(default_factory=dict)
+    """Accepted drafts then one sampled token; the scheduler cuts at a stop."""
+    logprobs: dict[Request, list[float]] = field(default_factory=dict)
+    """Log-probability of each sampled token, only for requests that asked."""
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,28 @@
-"""Per-request state that the scheduler, KV manager and engine share.
+"""Per-request state: tokens, the computed prefix, blocks, drafts, status.
 
 There is no prefill or decode phase: a request has `token_ids` (prompt plus
 output so far) and `num_computed_tokens`, the prefix whose K/V sits in the
 cache. Each step the scheduler lets it catch up by some tokens; when it has
 caught up the sampler appends one. Speculative tokens ride behind as
 `spec_token_ids`, computed with the rest and dropped again on rejection.
+
+One owner writes each field after admission: the scheduler (status, computed
+tokens, drafts, output tokens, finishing, timestamps) and the KV manager
+(block ids and hashes). Everyone else reads.
 """
 
 from __future__ import annotations
 
 import enum
-import itertools
+import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 
-_arrival_counter = itertools.count()
-
 
 class RequestStatus(enum.Enum):
+    """Where a request is: queued, in the running batch, or done for good."""
+
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -26,12 +30,18 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
+    """One sequence being generated; identity-hashed so it can key a step's dicts."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
     """Lower runs first (vLLM's convention)."""
-    arrival: int = field(default_factory=lambda: next(_arrival_counter))
+    arrival: int = 0
+    """Arrival order in its scheduler (set by `Scheduler.add`): breaks priority ties."""
+    arrival_time_s: float = field(default_factory=time.monotonic)
+    first_scheduled_time_s: float | None = None
+    """When the request first entered the running batch: its queue time ends there."""
     token_ids: list[int] = field(init=False)
     """Prompt then output tokens, appended to in place."""
     spec_token_ids: list[int] = field(default_factory=list)
@@ -50,6 +60,13 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    @property
+    def queue_time_s(self) -> float | None:
+        """Seconds from arrival to first scheduling; None while still waiting."""
+        if self.first_scheduled_time_s is None:
+            return None
+        return self.first_scheduled_time_s - self.arrival_time_s
 
     @property
     def output_token_ids(self) -> list[int]:

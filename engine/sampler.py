@@ -28,16 +28,25 @@ class SampleRow:
     """EOS and stop token ids, masked while fewer than min_tokens were produced."""
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[float]]:
-    """One token per row of `logits` [N, V], and its log-probability under the raw model."""
-    logprobs = torch.log_softmax(logits, dim=-1)
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[float | None]]:
+    """One token per row of `logits` [N, V], and its log-probability under the raw model for
+    the rows whose request asked for logprobs (None for the others: no softmax is spent)."""
     argmax = logits.argmax(dim=-1).tolist()  # one batched call serves every plain greedy row
     token_ids = [
         argmax[i] if _is_plain_greedy(row) else _sample_row(logits[i], row)
         for i, row in enumerate(rows)
     ]
-    chosen = logprobs[torch.arange(len(rows)), torch.tensor(token_ids, dtype=torch.long)]
-    return token_ids, chosen.tolist()
+    logprobs = [
+        token_logprobs(logits[i : i + 1], [token])[0] if row.params.logprobs else None
+        for i, (row, token) in enumerate(zip(rows, token_ids, strict=True))
+    ]
+    return token_ids, logprobs
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int]) -> list[float]:
+    """log p(token_ids[i]) under row i of `logits` [N, V]: the raw model's distribution."""
+    chosen = logits[torch.arange(len(token_ids)), torch.tensor(token_ids, dtype=torch.long)]
+    return (chosen - torch.logsumexp(logits, dim=-1)).tolist()
 
 
 def _is_plain_greedy(row: SampleRow) -> bool:
@@ -110,9 +119,9 @@ def verify(
     the target's p: accept draft x with probability min(1, p(x) / q(x)); on
     rejection draw from the residual max(0, p - q) / Z. A one-hot q (prompt
     lookup) makes that: accept x with probability p(x), else draw from p with x
-    removed. When every draft survives, the last row gives a bonus token.
+    removed. When every draft survives, the last row gives a bonus token. Logprobs of
+    the emitted tokens come back only when the request asked for them (else []).
     """
-    logprobs = torch.log_softmax(logits, dim=-1)
     tokens: list[int] = []
     for i, draft in enumerate(draft_token_ids):
         q = None if draft_probs is None else draft_probs[i]
@@ -122,7 +131,9 @@ def verify(
             break
     else:
         tokens.append(_sample_row(logits[len(draft_token_ids)], row))
-    return tokens, [float(logprobs[i, t]) for i, t in enumerate(tokens)]
+    if not row.params.logprobs:
+        return tokens, []
+    return tokens, token_logprobs(logits[: len(tokens)], tokens)
 
 
 def _verify_one(

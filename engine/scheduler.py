@@ -8,21 +8,39 @@ while the batch and the KV pool have room, starting past their cached prefix.
 When blocks run out, or a more urgent request waits on a full batch, the
 least urgent running request is preempted: its blocks are freed and it is
 recomputed from scratch later (with luck, from the prefix cache).
+
+After the forward pass, `update` is the one place request state advances:
+computed tokens, naming full blocks for the prefix cache, appending sampled
+tokens up to a stop token or the length limit, rolling back rejected draft
+lookahead, and finishing.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import itertools
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.kv_cache import KVCacheManager
+from engine.outputs import RunnerOutput
 from engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from engine.spec_decode import Proposal
 
 
 @dataclass
 class SchedulerOutput:
+    """What one step computes: the runner's whole input, and what `update` settles."""
+
     num_new_tokens: dict[Request, int] = field(default_factory=dict)
     """The requests that run this step, in batch order, and how many tokens each computes."""
+    drafts: dict[Request, Proposal] = field(default_factory=dict)
+    """Drafts to verify this step, cut to what fit (`request.spec_token_ids` holds the same)."""
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -31,25 +49,43 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    """Decides who computes what each step, and advances request state after it.
+
+    Owns the waiting queue and the running batch; never touches a tensor.
+    """
+
     def __init__(
-        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = eos_token_ids
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._arrivals = itertools.count()
 
     def add(self, request: Request) -> None:
-        request.status = RequestStatus.WAITING
-        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+        """Queue a new request; it runs in (priority, arrival) order."""
+        request.arrival = next(self._arrivals)
+        self._enqueue(request)
 
     def has_unfinished(self) -> bool:
+        """Anything waiting or running."""
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[Request, Proposal] | None = None) -> SchedulerOutput:
+        """Hand out this step's token budget; `drafts` (from the speculator) ride as lookahead."""
         out = SchedulerOutput()
+        drafts = drafts or {}
+        for request in self.running:
+            proposal = drafts.get(request)
+            request.spec_token_ids = list(proposal.token_ids) if proposal is not None else []
         self._make_room_for_urgent(out)
         # Decodes first: they cost one token (1 + k with drafts) each, and a long
         # prefill taking the whole budget must not stall everyone's next token.
@@ -68,10 +104,36 @@ class Scheduler:
                 break  # a request evicted for room this step would only thrash
             if self._admit(self.waiting[0], budget, out) == 0:
                 break
+        out.drafts = {
+            request: dataclasses.replace(drafts[request], token_ids=request.spec_token_ids)
+            for request in out.num_new_tokens
+            if request.spec_token_ids
+        }
         return out
 
+    def update(self, scheduled: SchedulerOutput, result: RunnerOutput) -> dict[Request, list[int]]:
+        """Advance every request of the step; return the tokens each sampling request kept.
+
+        Blocks are named for the prefix cache before anything can finish and free them.
+        Sampled tokens are appended up to the first stop token or the length limit, then
+        lookahead past the newest token (rejected drafts) is rolled back.
+        """
+        for request, num_new in scheduled.num_new_tokens.items():
+            request.num_computed_tokens += num_new
+            self.kv.cache_full_blocks(request)
+        kept: dict[Request, list[int]] = {}
+        for request, token_ids in result.sampled_token_ids.items():
+            kept[request], reason = self._append(request, token_ids)
+            self._roll_back_lookahead(request)
+            if reason is not None:
+                self.finish(request, reason)
+        return kept
+
     def finish(self, request: Request, reason: str) -> None:
-        """Take a request out of scheduling for good and free its blocks."""
+        """Take a request out of scheduling for good and free its blocks (`stop`, `length`,
+        `abort`, `error`); finishing a finished request is a no-op."""
+        if request.status == RequestStatus.FINISHED:
+            return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING:
@@ -79,6 +141,35 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+
+    def _append(self, request: Request, token_ids: list[int]) -> tuple[list[int], str | None]:
+        """Append sampled tokens up to the first that ends the request; (kept, reason)."""
+        for i, token_id in enumerate(token_ids):
+            request.append_output_token(token_id)
+            reason = self._stop_reason(request, token_id)
+            if reason is not None:
+                return token_ids[: i + 1], reason
+        return list(token_ids), None
+
+    def _stop_reason(self, request: Request, token_id: int) -> str | None:
+        params = request.params
+        if token_id in params.stop_token_ids:
+            return "stop"
+        if token_id in self.eos_token_ids and not params.ignore_eos:
+            return "stop"
+        if request.num_output_tokens >= params.max_tokens:
+            return "length"
+        return None
+
+    def _roll_back_lookahead(self, request: Request) -> None:
+        """Only tokens before the newest one have valid K/V: drop rejected drafts' slots."""
+        request.spec_token_ids = []
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        self.kv.trim(request, request.num_computed_tokens)
+
+    def _enqueue(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
     def _make_room_for_urgent(self, out: SchedulerOutput) -> None:
         """A full batch yields its least urgent member to a strictly higher priority."""
@@ -127,6 +218,8 @@ class Scheduler:
             request.num_cached_tokens = num_computed
         self.kv.allocate(request, num_computed + num_new, cached)
         request.num_computed_tokens = num_computed
+        if request.first_scheduled_time_s is None:
+            request.first_scheduled_time_s = time.monotonic()
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         out.num_new_tokens[request] = num_new
@@ -144,7 +237,7 @@ class Scheduler:
         self.num_preemptions += 1
         out.num_new_tokens.pop(request, None)
         out.preempted.append(request)
-        self.add(request)
+        self._enqueue(request)  # keeps its arrival: it goes back to its place in line
 
 
 def _is_prefilling(request: Request) -> bool:

@@ -12,32 +12,38 @@ scores all of them in one forward pass (see `sampler.verify`). Two proposers:
 
 `Backoff` shrinks a request's k when drafts keep failing and lets it grow back
 when they land, so a bad proposer costs at most the occasional probe.
+
+The speculator only proposes and keeps score: the scheduler places drafts
+in the budget as lookahead, the runner verifies them, and the scheduler rolls
+back what was rejected.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import SpecDecodeConfig
 from engine.kv_cache import KVCacheManager
-from engine.loader import load_model
-from engine.model import LlamaForCausalLM
-from engine.model_runner import ModelRunner
+from engine.outputs import RunnerOutput
 from engine.request import Request
-from engine.sampler import SampleRow, probs_for, verify
+from engine.sampler import probs_for
 
 
 @dataclass(frozen=True)
 class Proposal:
+    """Draft tokens for one request, and the distributions they were drawn from."""
+
     token_ids: list[int]
     probs: torch.Tensor | None = None
     """[len(token_ids), vocab] draft distributions; None for a deterministic (one-hot) draft."""
 
 
 class Proposer(Protocol):
+    """Anything that guesses a request's next tokens."""
+
     cooldown_steps: int
     """Steps a request waits, after its drafts kept failing, before it probes again."""
 
@@ -51,6 +57,8 @@ class Proposer(Protocol):
 
 
 class NgramProposer:
+    """Prompt lookup: copy what followed the latest earlier occurrence of the last n tokens."""
+
     cooldown_steps = 2  # proposing is free; only a failed verify costs (a few % at batch 1)
 
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
@@ -74,7 +82,15 @@ class NgramProposer:
         return []
 
     def release(self, request: Request) -> None:
-        pass
+        """Nothing to forget: the lookup keeps no state."""
+
+
+class DraftRunner(Protocol):
+    """What the draft proposer needs of a model runner (engine.model.model_runner)."""
+
+    def prepare(self, num_new_tokens: dict[Request, int]) -> object: ...
+
+    def compute_logits(self, batch: object) -> torch.Tensor: ...
 
 
 class DraftModelProposer:
@@ -87,12 +103,13 @@ class DraftModelProposer:
 
     cooldown_steps = 8  # every probe costs k draft forward passes
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: str):
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(model, num_blocks, block_size, device)
+    def __init__(self, runner: DraftRunner, kv: KVCacheManager) -> None:
+        self.runner = runner
+        self.kv = kv
         self.shadows: dict[str, Request] = {}
 
     def propose(self, requests: dict[Request, int]) -> dict[Request, Proposal]:
+        """Run the draft k times over every request's shadow, one token per pass."""
         shadows = {r: self._sync_shadow(r) for r in requests}
         active = {r: s for r, s in shadows.items() if self._reserve(s, requests[r])}
         drafts: dict[Request, list[int]] = {r: [] for r in active}
@@ -100,7 +117,7 @@ class DraftModelProposer:
         for _ in range(max((requests[r] for r in active), default=0)):
             todo = {r: s for r, s in active.items() if len(drafts[r]) < requests[r]}
             step = {s: s.num_tokens - s.num_computed_tokens for s in todo.values()}
-            logits = self.runner.execute(self.runner.prepare(step))
+            logits = self.runner.compute_logits(self.runner.prepare(step))
             for row, (request, shadow) in enumerate(todo.items()):
                 shadow.num_computed_tokens = shadow.num_tokens
                 token, dist = _draft_token(logits[row], request, shadow)
@@ -113,6 +130,7 @@ class DraftModelProposer:
         }
 
     def release(self, request: Request) -> None:
+        """Free the shadow's blocks in the draft's KV cache."""
         shadow = self.shadows.pop(request.request_id, None)
         if shadow is not None:
             self.kv.free(shadow)
@@ -171,6 +189,7 @@ class Backoff:
         self._state: dict[str, _BackoffState] = {}
 
     def k_for(self, request_id: str) -> int:
+        """The draft length to propose now (0 while cooling down)."""
         state = self._state.setdefault(request_id, _BackoffState(self.max_k))
         if state.k == 0:
             state.cooldown -= 1
@@ -179,6 +198,7 @@ class Backoff:
         return state.k
 
     def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        """Grow, keep or shrink k after a verification."""
         state = self._state.setdefault(request_id, _BackoffState(self.max_k))
         if num_accepted == num_proposed:
             state.k = min(self.max_k, state.k + 1)
@@ -188,11 +208,12 @@ class Backoff:
                 state.cooldown = self.cooldown_steps
 
     def forget(self, request_id: str) -> None:
+        """Drop a finished request's state."""
         self._state.pop(request_id, None)
 
 
 class Speculator:
-    """Glue between a proposer, the back-off and verification, with vLLM's counters.
+    """Glue between a proposer and the back-off, with vLLM's counters.
 
     Requests with a repetition penalty or an unmet `min_tokens` are not
     speculated: their logits depend on the tokens before each position, which
@@ -202,41 +223,32 @@ class Speculator:
     def __init__(self, proposer: Proposer, max_k: int) -> None:
         self.proposer = proposer
         self.backoff = Backoff(max_k, proposer.cooldown_steps)
-        self._draft_probs: dict[str, torch.Tensor | None] = {}
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * max_k
 
-    def propose(self, running: list[Request]) -> None:
-        """Give each decoding request its drafts (`spec_token_ids`) for the coming step."""
+    def propose(self, running: list[Request]) -> dict[Request, Proposal]:
+        """Drafts for the decoding requests that may speculate this step."""
         wanted = {r: k for r in running if (k := self._draft_len(r)) > 0}
-        for request, proposal in self.proposer.propose(wanted).items():
-            request.spec_token_ids = list(proposal.token_ids)
-            self._draft_probs[request.request_id] = proposal.probs
+        return self.proposer.propose(wanted) if wanted else {}
 
-    def verify(
-        self, request: Request, logits: torch.Tensor, row: SampleRow
-    ) -> tuple[list[int], list[float]]:
-        """Check the drafts that were scheduled (the scheduler may have cut some)."""
-        drafts = request.spec_token_ids
-        probs = self._draft_probs.pop(request.request_id, None)
-        if probs is not None:
-            probs = probs[: len(drafts)]
-        token_ids, logprobs = verify(logits, row, drafts, probs)
-        num_accepted = len(token_ids) - 1
-        self.num_drafts += 1
-        self.num_draft_tokens += len(drafts)
-        self.num_accepted_tokens += num_accepted
-        for pos in range(num_accepted):
-            self.accepted_per_pos[pos] += 1
-        self.backoff.record(request.request_id, len(drafts), num_accepted)
-        return token_ids, logprobs
+    def record(self, drafts: dict[Request, Proposal], result: RunnerOutput) -> None:
+        """Count each verified draft (as scheduled) and let the back-off learn from it."""
+        for request, draft in drafts.items():
+            num_proposed = len(draft.token_ids)
+            num_accepted = len(result.sampled_token_ids[request]) - 1
+            self.num_drafts += 1
+            self.num_draft_tokens += num_proposed
+            self.num_accepted_tokens += num_accepted
+            for pos in range(num_accepted):
+                self.accepted_per_pos[pos] += 1
+            self.backoff.record(request.request_id, num_proposed, num_accepted)
 
     def release(self, request: Request) -> None:
+        """Forget a finished request."""
         self.proposer.release(request)
         self.backoff.forget(request.request_id)
-        self._draft_probs.pop(request.request_id, None)
 
     def _draft_len(self, request: Request) -> int:
         params = request.params
@@ -249,15 +261,12 @@ class Speculator:
         return max(0, min(self.backoff.k_for(request.request_id), room))
 
 
-def build_speculator(config: EngineConfig, num_blocks: int) -> Speculator | None:
-    """The pool's speculator from its config; None when speculation is off."""
-    spec = config.spec_decode
-    if spec is None:
-        return None
+def build_speculator(
+    spec: SpecDecodeConfig, draft: DraftModelProposer | None = None
+) -> Speculator:
+    """The pool's speculator: prompt lookup, or the draft proposer the engine built."""
     if spec.method == "ngram":
-        proposer: Proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
-    else:
-        draft_config = replace(config, model=spec.draft_model or config.model, spec_decode=None)
-        draft, _ = load_model(draft_config, num_layers=spec.draft_num_layers)
-        proposer = DraftModelProposer(draft, num_blocks, config.block_size, config.device)
-    return Speculator(proposer, spec.num_speculative_tokens)
+        return Speculator(NgramProposer(spec.ngram_min, spec.ngram_max), spec.num_speculative_tokens)
+    if draft is None:
+        raise ValueError("spec_decode.method 'draft' needs a draft model")
+    return Speculator(draft, spec.num_speculative_tokens)

@@ -21,7 +21,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.loader import resolve_model_dir
+from engine.model.loader import resolve_model_dir
 from engine.sampling_params import SamplingParams
 from load.report import emit, log
 

@@ -21,12 +21,12 @@ import time
 
 import torch
 
-from engine.awq import DEFAULT_CALIBRATION_PATH
+from engine.quant.awq import DEFAULT_CALIBRATION_PATH
 from engine.config import EngineConfig, QuantConfig
 from engine.engine import LLMEngine
-from engine.loader import load_model
-from engine.packed_linear import PackedLinear
-from engine.quant import QuantLinear
+from engine.quant.prepare import prepare_model
+from engine.model.packed_linear import PackedLinear
+from engine.quant.linear import QuantLinear
 from engine.sampling_params import SamplingParams
 from load.report import emit
 
@@ -155,7 +155,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.prepare:  # the loader quantizes once (AWQ: a minute or so) and caches it
-        load_model(engine_config(args.prepare, args.threads))
+        prepare_model(engine_config(args.prepare, args.threads))
         return
     if args.memory:
         print(json.dumps(measure_memory(args.memory, args.threads)))

@@ -32,10 +32,10 @@ from typing import Any
 import httpx
 
 from app.config import TierserveConfig, load_config
-from app.local_cluster import serving
+from load.local_cluster import serving
 from deployments.openai_api import ChatEndpoint
 from engine.config import default_cache_dir
-from engine.loader import load_tokenizer
+from engine.model.loader import load_tokenizer
 from engine.sampling_params import SamplingParams
 from load.prompts import QUESTIONS, passage
 from load.report import emit, log

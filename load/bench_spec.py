@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from engine.chat import chat_prompt_ids
+from engine.model.chat import chat_prompt_ids
 from engine.config import EngineConfig, SpecDecodeConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -94,12 +94,12 @@ def instrument(engine: LLMEngine) -> Timings:
         q_len = batch.input_ids.numel()
         return f"forward_q{q_len}" if q_len <= 16 else "forward_prefill"
 
-    engine.runner.execute = timings.wrap(engine.runner.execute, forward_name)
+    engine.runner.compute_logits = timings.wrap(engine.runner.compute_logits, forward_name)
+    engine.runner.sample = timings.wrap(engine.runner.sample, lambda *_: "sample_and_verify")
     engine.step = timings.wrap(engine.step, lambda: "step")
     if engine.speculator is not None:
         spec = engine.speculator
         spec.propose = timings.wrap(spec.propose, lambda *_: "propose")
-        spec.verify = timings.wrap(spec.verify, lambda *_: "verify")
     return timings
 
 

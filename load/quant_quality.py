@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from engine.awq import DEFAULT_CALIBRATION_PATH, calibration_token_ids
-from engine.chat import chat_prompt_ids
+from engine.quant.awq import DEFAULT_CALIBRATION_PATH, calibration_token_ids
+from engine.model.chat import chat_prompt_ids
 from engine.config import EngineConfig, QuantConfig
-from engine.loader import load_model, resolve_model_dir
-from engine.quant import quantize_model
+from engine.model.loader import load_model, resolve_model_dir
+from engine.quant.prepare import quantize_model
 from load.report import emit
 
 SCHEMES: dict[str, QuantConfig] = {

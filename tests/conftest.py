@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig, default_cache_dir
 from engine.engine import LLMEngine
-from engine.loader import load_tokenizer
+from engine.model.loader import load_tokenizer
 
 # Two shared cores: extra torch threads only contend with each other (ENVIRONMENT.md).
 torch.set_num_threads(1)

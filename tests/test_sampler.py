@@ -10,7 +10,7 @@ from engine_helpers import drain, greedy, run_requests
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.chat import chat_prompt_ids
+from engine.model.chat import chat_prompt_ids
 from engine.sampler import SampleRow, apply_repetition_penalty, mask_top_k_top_p, probs_for, sample
 from engine.sampling_params import SamplingParams
 
@@ -111,7 +111,7 @@ def test_min_tokens_bans_stop_tokens_only_until_reached():
 
 def test_logprob_is_of_the_chosen_token_under_the_raw_model():
     logits = torch.tensor([[1.0, 3.0, 2.0]])
-    params = SamplingParams(temperature=0.0, repetition_penalty=3.0)
+    params = SamplingParams(temperature=0.0, repetition_penalty=3.0, logprobs=True)
     token_ids, logprobs = sample(logits, [row(params, seen=(1,))])
     assert token_ids == [2]
     assert logprobs[0] == pytest.approx(float(torch.log_softmax(logits[0], -1)[2]))

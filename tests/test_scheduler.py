@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.kv_cache import KVCacheManager
+from engine.outputs import RunnerOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -37,15 +38,13 @@ class FakeModel:
 
     def step(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
+        result = RunnerOutput()
         for request, num_new in out.num_new_tokens.items():
             start = request.num_computed_tokens
             write_slots(self.slot_tokens, request, start, start + num_new, BLOCK_SIZE)
-            request.num_computed_tokens += num_new
-            self.scheduler.kv.cache_full_blocks(request)
-            if request.num_computed_tokens == request.num_tokens:
-                request.append_output_token(sum(request.token_ids[-2:]) % 3)
-                if request.num_output_tokens >= request.params.max_tokens:
-                    self.scheduler.finish(request, "length")
+            if start + num_new == request.num_tokens:
+                result.sampled_token_ids[request] = [sum(request.token_ids[-2:]) % 3]
+        self.scheduler.update(out, result)
         return out
 
 

@@ -14,7 +14,8 @@ import pytest
 from fakes import FakeEngine
 from serve_harness import metric, serving, wait_for_metric
 
-from app.config import ApiKeyConfig, GatewayConfig, TierserveConfig, load_config
+from app.config import TierserveConfig, load_config
+from deployments.config import ApiKeyConfig, GatewayConfig
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "test-key"

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from engine.chat import chat_prompt_ids
+from engine.model.chat import chat_prompt_ids
 from engine.config import EngineConfig, SpecDecodeConfig
 from engine.engine import LLMEngine
 from engine.outputs import EngineStats
@@ -294,13 +294,8 @@ def computed_kv(engine: LLMEngine, request: Request) -> torch.Tensor:
     size = engine.kv.block_size
     positions = torch.arange(request.num_computed_tokens)
     slots = torch.tensor(request.block_ids)[positions // size] * size + positions % size
-    layers = [engine.model.layers[0], engine.model.layers[-1]]
-    return torch.stack(
-        [
-            torch.stack([layer.self_attn.k_cache[slots], layer.self_attn.v_cache[slots]])
-            for layer in layers
-        ]
-    )
+    layers = [engine.runner.kv_caches[0], engine.runner.kv_caches[-1]]
+    return torch.stack([torch.stack([k_cache[slots], v_cache[slots]]) for k_cache, v_cache in layers])
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft4layers", "scripted"])
@@ -482,7 +477,8 @@ def test_speculator_skips_requests_it_cannot_verify_exactly():
     min_tokens = decoding("min", max_tokens=16, min_tokens=4)
     near_end = decoding("near-end", max_tokens=2)  # room for 1 draft plus the bonus token
     prefilling = Request("prefill", tokens, SamplingParams(max_tokens=16))
-    speculator.propose([plain, penalised, min_tokens, near_end, prefilling])
-    assert plain.spec_token_ids == [3, 1, 2]
-    assert near_end.spec_token_ids == [3]
-    assert penalised.spec_token_ids == min_tokens.spec_token_ids == prefilling.spec_token_ids == []
+    proposals = speculator.propose([plain, penalised, min_tokens, near_end, prefilling])
+    drafts = {r: proposals[r].token_ids if r in proposals else [] for r in proposals | dict.fromkeys([penalised, min_tokens, prefilling])}
+    assert drafts[plain] == [3, 1, 2]
+    assert drafts[near_end] == [3]
+    assert drafts[penalised] == drafts[min_tokens] == drafts[prefilling] == []

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from fakes import FakeEngine
 
-from app.config import PoolConfig
+from deployments.config import PoolConfig
 from deployments.pool import ReplicaStats
 from deployments.pool_monitor import PoolMonitor
 from deployments.streaming import ChoiceProgress

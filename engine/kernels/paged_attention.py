@@ -41,7 +41,7 @@ _ARGTYPES += [ctypes.c_int64] * 5 + [ctypes.c_float]
 
 
 def available(dtype: torch.dtype) -> bool:
-    """The kernel is built and handles this dtype (set TIERSERVE_NATIVE_ATTENTION=0 to opt out)."""
+    """The kernel is built and handles this dtype (EngineConfig.native_attention opts out)."""
     return dtype in _ENTRY_POINTS and _library() is not None
 
 
@@ -72,8 +72,6 @@ def paged_attention(
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("TIERSERVE_NATIVE_ATTENTION", "1") == "0":
-        return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         log.warning("no C compiler found: paged attention stays on its torch path")

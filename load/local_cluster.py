@@ -17,16 +17,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import ray
+from ray import serve
 
-# Ray 2.60 local clusters turn on token auth, which breaks `serve.shutdown`.
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
-
-from app.builder import build_app  # noqa: E402
-from app.config import TierserveConfig  # noqa: E402
-from deployments.pool import EngineFactory  # noqa: E402
+from app.builder import build_app
+from app.config import TierserveConfig
+from deployments.pool import EngineFactory
 
 READY_TIMEOUT_S = 300.0
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -52,6 +48,8 @@ def serving(
 ) -> Iterator[str]:
     """Run the app until the block ends; yields its base URL once /health answers 200."""
     port = _free_port()
+    # Ray 2.60 local clusters turn on token auth, which breaks `serve.shutdown`.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(
         num_cpus=2,
         include_dashboard=False,

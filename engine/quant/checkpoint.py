@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine import quant
+from engine.quant import linear as quant
 from engine.config import QuantConfig
 
 FORMAT = "tierserve-quant"

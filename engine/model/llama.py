@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.model.attention import AttentionMetadata, paged_attention
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,8 @@ class RotaryEmbedding(nn.Module):
 
 
 Rotation = tuple[torch.Tensor, torch.Tensor]
+LayerKV = tuple[torch.Tensor, torch.Tensor] | None
+"""One layer's (k_cache, v_cache), each [num_slots, kv_heads, head_dim]; None: no cache."""
 
 
 def rotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
@@ -146,11 +149,9 @@ class Attention(nn.Module):
             args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.attention_bias)
-        self.k_cache: torch.Tensor | None = None  # [num_slots, kv_heads, head_dim]
-        self.v_cache: torch.Tensor | None = None
 
     def forward(
-        self, x: torch.Tensor, rotation: Rotation, meta: AttentionMetadata | None
+        self, x: torch.Tensor, rotation: Rotation, meta: AttentionMetadata | None, kv: LayerKV
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -158,11 +159,10 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rotate(q, rotation), rotate(k, rotation)
-        if meta is None:
+        if meta is None or kv is None:
             out = _dense_causal_attention(q, k, v)
         else:
-            assert self.k_cache is not None and self.v_cache is not None, "KV cache not attached"
-            out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta)
+            out = paged_attention(q, k, v, kv[0], kv[1], meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -197,9 +197,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
 
     def forward(
-        self, x: torch.Tensor, rotation: Rotation, meta: AttentionMetadata | None
+        self, x: torch.Tensor, rotation: Rotation, meta: AttentionMetadata | None, kv: LayerKV
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotation, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rotation, meta, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -214,22 +214,24 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(args, args.max_position_embeddings)
 
     def forward(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata | None = None
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata | None = None,
+        kv_caches: Sequence[LayerKV] = (),
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] for packed tokens [T]; `meta=None` means one
-        sequence attending to itself without the cache."""
+        """Hidden states [T, hidden] for packed tokens [T], reading and writing `kv_caches`
+        (one per layer, owned by the caller); `meta=None` means one sequence attending
+        to itself without a cache."""
         x = self.embed_tokens(input_ids)
         if meta is None:
             positions = torch.arange(input_ids.shape[0], device=input_ids.device)
         else:
             positions = meta.positions
         rotation = self.rope(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rotation, meta)
+        caches = kv_caches or [None] * len(self.layers)
+        for layer, kv in zip(self.layers, caches, strict=True):
+            x = layer(x, rotation, meta, kv)
         return self.norm(x)
-
-    def attention_layers(self) -> list[Attention]:
-        return [cast(DecoderLayer, layer).self_attn for layer in self.layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the rows that are sampled (computing them for every

@@ -22,7 +22,7 @@ step 3 lowers the same error's diagonal part.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import cast
 
@@ -30,9 +30,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from engine.quant import AwqParams, fake_quantize
+from engine.model.chat import chat_prompt_ids
+from engine.quant.maths import AwqParams, fake_quantize
 
-DEFAULT_CALIBRATION_PATH = Path(__file__).resolve().parents[1] / "data" / "quality_prompts.jsonl"
+DEFAULT_CALIBRATION_PATH = Path(__file__).resolve().parents[2] / "data" / "quality_prompts.jsonl"
 SCALE_GRID = 20
 CLIP_GRID = torch.linspace(1.0, 0.55, 10).tolist()
 MAX_TOKENS = 512
@@ -146,11 +147,7 @@ def calibration_token_ids(
         row = json.loads(line)
         if row["split"] != split:
             continue
-        messages = [{"role": "user", "content": row["prompt"]}]
-        encoded = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )
-        prompt = list(cast(Mapping[str, list[int]], encoded)["input_ids"])
+        prompt = chat_prompt_ids(tokenizer, row["prompt"])
         answer = tokenizer.encode(row["reference"], add_special_tokens=False)
         sequences.append(torch.tensor(prompt + answer))
     if not sequences:

@@ -1,0 +1,1 @@
+"""The forward pass and what feeds it: model, attention, loader, chat template, packed linears, runner."""

@@ -1,0 +1,190 @@
+"""All the tensors of a step: the KV cache, the packed batch, the forward pass, sampling.
+
+The scheduler says which requests compute how many tokens; the runner packs
+those tokens into one row, runs the model once, takes logits only where a
+request has caught up with its tokens (the positions that produce new ones),
+and turns them into tokens: one batched draw for plain rows, an exact
+verification for each request with drafts. Row offsets and per-request
+random generators live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.model.attention import AttentionMetadata
+from engine.model.llama import LayerKV, LlamaForCausalLM
+from engine.model.packed_linear import can_pack, pack_linears
+from engine.outputs import RunnerOutput
+from engine.request import Request
+from engine.sampler import SampleRow, sample, verify
+from engine.scheduler import SchedulerOutput
+from engine.spec_decode import Proposal
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """The packed inputs of one forward pass."""
+
+    input_ids: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_index: torch.Tensor  # [N] packed rows whose logits are needed
+    sampling_requests: list[Request]
+    """Requests that produce tokens this step, in order."""
+    num_logits_rows: list[int]
+    """Logits rows of each sampling request: 1, plus one per draft token it verifies."""
+
+
+class ModelRunner:
+    """Owns a model's KV tensors and runs steps over them.
+
+    `execute` is the engine's whole forward-and-sample; `prepare` and
+    `compute_logits` alone serve a draft model, which samples on its own.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        config: EngineConfig,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.model = model
+        self.block_size = config.block_size
+        self.device = torch.device(config.device)
+        self.dtype = model.embed_tokens.weight.dtype
+        self.native_attention = config.native_attention
+        self.eos_token_ids = eos_token_ids
+        if can_pack(config.device, self.dtype):
+            pack_linears(model)
+        self.kv_caches = self._allocate_kv_cache(num_blocks)
+        self._seed_source = torch.Generator().manual_seed(config.seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[LayerKV]:
+        args = self.model.args
+        shape = (num_blocks * self.block_size, args.num_kv_heads, args.head_dim)
+
+        def zeros() -> torch.Tensor:
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+        return [(zeros(), zeros()) for _ in range(args.num_layers)]
+
+    @staticmethod
+    def bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+        """KV bytes one block takes across all layers: sizes the pool from a memory budget."""
+        args = model.args
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * elem
+
+    @torch.inference_mode()
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        """One forward pass over the scheduled tokens, then sampling and draft verification."""
+        batch = self.prepare(scheduled.num_new_tokens)
+        logits = self.compute_logits(batch)
+        return self.sample(batch, logits, scheduled.drafts)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's random generator."""
+        self._generators.pop(request_id, None)
+
+    def prepare(self, num_new_tokens: dict[Request, int]) -> StepBatch:
+        """Pack each request's next `num_new_tokens` tokens (drafts included) into one batch."""
+        input_ids: list[int] = []
+        q_lens: list[int] = []
+        kv_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_rows: list[int] = []
+        num_rows: list[int] = []
+        sampling: list[Request] = []
+        for request, num_new in num_new_tokens.items():
+            start = request.num_computed_tokens
+            input_ids.extend(_tokens_with_spec(request, start, start + num_new))
+            q_lens.append(num_new)
+            kv_lens.append(start + num_new)
+            tables.append(request.block_ids)
+            end = start + num_new
+            if end >= request.num_tokens:  # caught up: the last real token and any drafts
+                rows = end - request.num_tokens + 1
+                sampling.append(request)
+                num_rows.append(rows)
+                logits_rows.extend(range(len(input_ids) - rows, len(input_ids)))
+        meta = AttentionMetadata.build(
+            q_lens, kv_lens, tables, self.block_size, self.device, self.dtype, self.native_attention
+        )
+        return StepBatch(
+            input_ids=torch.tensor(input_ids, device=self.device),
+            meta=meta,
+            logits_index=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            sampling_requests=sampling,
+            num_logits_rows=num_rows,
+        )
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: StepBatch) -> torch.Tensor:
+        """fp32 logits [sum(num_logits_rows), vocab], on the CPU where the sampler's
+        per-request generators live (a no-op copy on a CPU device)."""
+        hidden = self.model(batch.input_ids, batch.meta, self.kv_caches)
+        return self.model.compute_logits(hidden[batch.logits_index]).cpu()
+
+    def sample(
+        self, batch: StepBatch, logits: torch.Tensor, drafts: dict[Request, Proposal]
+    ) -> RunnerOutput:
+        """One batched draw for the requests without drafts, a verification for each with."""
+        requests = batch.sampling_requests
+        first_row = torch.tensor([0, *batch.num_logits_rows[:-1]]).cumsum(0).tolist()
+        plain = [i for i, request in enumerate(requests) if request not in drafts]
+        plain_logits = logits if len(plain) == len(logits) else logits[[first_row[i] for i in plain]]
+        rows = [self._sample_row(requests[i]) for i in plain]
+        token_ids, logprobs = sample(plain_logits, rows) if plain else ([], [])
+        out = RunnerOutput()
+        for i, token_id, logprob in zip(plain, token_ids, logprobs, strict=True):
+            out.sampled_token_ids[requests[i]] = [token_id]
+            if logprob is not None:
+                out.logprobs[requests[i]] = [logprob]
+        for i, request in enumerate(requests):
+            if request in drafts:
+                own_rows = logits[first_row[i] : first_row[i] + batch.num_logits_rows[i]]
+                self._verify(request, own_rows, drafts[request], out)
+        return out
+
+    def _verify(
+        self, request: Request, logits: torch.Tensor, draft: Proposal, out: RunnerOutput
+    ) -> None:
+        probs = None if draft.probs is None else draft.probs[: len(draft.token_ids)]
+        token_ids, logprobs = verify(logits, self._sample_row(request), draft.token_ids, probs)
+        out.sampled_token_ids[request] = token_ids
+        if request.params.logprobs:
+            out.logprobs[request] = logprobs
+
+    def _sample_row(self, request: Request) -> SampleRow:
+        params = request.params
+        return SampleRow(
+            params=params,
+            generator=self._generator(request),
+            seen_token_ids=request.token_ids if params.repetition_penalty != 1.0 else [],
+            num_output_tokens=request.num_output_tokens,
+            banned_until_min_tokens=(
+                tuple(self.eos_token_ids) + params.stop_token_ids if params.min_tokens else ()
+            ),
+        )
+
+    def _generator(self, request: Request) -> torch.Generator:
+        """The request's own generator: seeded by the request, else drawn from the engine's seed."""
+        generator = self._generators.get(request.request_id)
+        if generator is None:
+            seed = request.params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+            generator = torch.Generator().manual_seed(seed)
+            self._generators[request.request_id] = generator
+        return generator
+
+
+def _tokens_with_spec(request: Request, start: int, end: int) -> list[int]:
+    if end <= request.num_tokens:
+        return request.token_ids[start:end]
+    return (request.token_ids + request.spec_token_ids)[start:end]

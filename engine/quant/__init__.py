@@ -1,0 +1,1 @@
+"""Weight-only quantization: shared maths, the Linear swap, AWQ, checkpoints."""

@@ -1,0 +1,93 @@
+"""The model a pool serves: dense, or quantized once per `QuantConfig` and cached.
+
+Quantizing (AWQ calibrates for a minute or so) happens the first time a
+config is used; the result is saved as a checksummed checkpoint
+(engine/quant/checkpoint.py) and later starts load that file onto the meta
+device's empty modules instead of quantizing again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.config import EngineConfig, QuantConfig
+from engine.model.llama import LlamaForCausalLM, ModelArgs
+from engine.model.loader import load_dense, load_model, model_args, resolve_model_dir
+from engine.quant.awq import calibration_token_ids, search_model
+from engine.quant.checkpoint import checkpoint_filename, load_quantized, save_quantized
+from engine.quant.linear import quantization_plan, quantize_linear, set_submodule
+from engine.quant.maths import AwqParams
+
+
+def prepare_model(
+    config: EngineConfig, num_layers: int | None = None
+) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
+    """The model and tokenizer for `config`: quantized per `config.quant`, else dense."""
+    if config.quant is None:
+        return load_model(config, num_layers)
+    return load_quantized_model(config, num_layers)
+
+
+def load_quantized_model(
+    config: EngineConfig, num_layers: int | None = None
+) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
+    """Quantize once, then reuse the saved checkpoint."""
+    quant = config.quant
+    assert quant is not None, "load_quantized_model needs config.quant"
+    model_dir = resolve_model_dir(config.model, config.cache_dir)
+    args = model_args(model_dir, num_layers)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    path = quantized_checkpoint_path(model_dir, args, config)
+    if path.is_file():
+        with torch.device("meta"):
+            model = LlamaForCausalLM(args)
+        load_quantized(model, path, quant)
+        model.reset_rope()
+        return model.to(config.device).eval(), tokenizer
+    print(f"tierserve: quantizing to {quant.scheme} ({quant.method}), once...", file=sys.stderr)
+    model = load_dense(model_dir, args, config)
+    calibration = calibration_token_ids(tokenizer) if quant.method == "awq" else ()
+    quantize_model(model, quant, calibration)
+    save_quantized(model, path, quant)
+    return model, tokenizer
+
+
+def quantized_checkpoint_path(model_dir: Path, args: ModelArgs, config: EngineConfig) -> Path:
+    """Cache path keyed by the model folder, dtype, depth and quantization settings."""
+    assert config.quant is not None
+    source = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:12]
+    variant = f"{model_dir.name}-{source}-{config.dtype}-{args.num_layers}L"
+    return Path(config.cache_dir) / "quantized" / variant / checkpoint_filename(config.quant)
+
+
+def quantize_model(
+    model: nn.Module, config: QuantConfig, calibration: Sequence[torch.Tensor] = ()
+) -> nn.Module:
+    """Replace every eligible nn.Linear of `model` in place and return it.
+
+    `calibration` (token-id sequences) is needed by method "awq": the model must
+    expose `compute_logits_dense(token_ids)`. Layers whose shape the scheme
+    cannot take (INT4 needs N % 64 == 0 and a group of >= 32 dividing K) stay
+    as they are, with a warning.
+    """
+    plan = quantization_plan(model, config)
+    found: dict[str, AwqParams] = {}
+    if config.method == "awq":
+        if not calibration:
+            raise ValueError(
+                "quant.method 'awq' needs calibration token ids (engine.quant.awq.calibration_token_ids)"
+            )
+        found = search_model(model, plan, config.scheme, calibration)
+    for name, group_size in plan.items():
+        linear = model.get_submodule(name)
+        assert isinstance(linear, nn.Linear)
+        qlinear = quantize_linear(linear, config.scheme, group_size, found.get(name))
+        set_submodule(model, name, qlinear)
+    return model
