@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from deployments import schemas as s
 from deployments.errors import bad_request
 from deployments.streaming import ChoiceProgress, usage
+from engine.model.chat import chat_prompt_ids
 from engine.sampling_params import SamplingParams
 
 
@@ -83,9 +84,7 @@ class ChatEndpoint(Endpoint):
     @staticmethod
     def prompt_ids(body: s.ChatCompletionRequest, tokenizer: Any) -> list[list[int]]:
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        # The template already holds every special token the model expects.
-        return [tokenizer.encode(text, add_special_tokens=False)]
+        return [chat_prompt_ids(tokenizer, messages)]
 
     def opening(self, num_choices: int) -> list[BaseModel]:
         """OpenAI names the role in each choice's first delta."""

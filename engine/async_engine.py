@@ -4,19 +4,33 @@ torch releases the GIL inside its kernels, so the event loop stays responsive
 while a step runs. Requests and aborts reach the loop thread through a
 thread-safe inbox; outputs come back through each stream's asyncio.Queue on
 the caller's event loop.
+
+The loop never dies silently: a request that fails in the engine ends its own
+stream with `EngineRequestError`; an unexpected error in the loop itself fails
+every live stream and the loop goes on; a step that runs past
+`EngineConfig.stall_timeout_s` while work waits makes `is_alive()` false, so
+the pool's health check can have the replica replaced.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineRequestError(RuntimeError):
+    """One request failed inside the engine (its sampling, its output, or its step)."""
 
 
 class AsyncLLMEngine:
@@ -26,11 +40,13 @@ class AsyncLLMEngine:
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
+        self._stall_timeout_s = config.stall_timeout_s
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stats = self.engine.stats()
         self._error: BaseException | None = None
+        self._step_started_s: float | None = None
         self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -41,7 +57,11 @@ class AsyncLLMEngine:
         request_id: str,
         priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream the request's deltas; stopping iteration early aborts it."""
+        """Stream the request's deltas; stopping iteration early aborts it.
+
+        Raises ValueError for a request the engine refuses, EngineRequestError when
+        the request fails inside the engine.
+        """
         self.engine.validate(prompt_token_ids, params)
         if self._error is not None:
             raise RuntimeError("engine loop is dead") from self._error
@@ -55,6 +75,8 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.finish_reason == "error":
+                    raise EngineRequestError(item.error or "request failed in the engine")
                 yield item
         finally:
             self._streams.pop(request_id, None)
@@ -62,6 +84,7 @@ class AsyncLLMEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (a no-op once it has finished)."""
         self._send(("abort", request_id))
 
     def stats(self) -> EngineStats:
@@ -69,27 +92,46 @@ class AsyncLLMEngine:
         return self._stats
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self._error is None
+        """The loop thread runs and no step has been stuck past the stall timeout."""
+        started = self._step_started_s
+        stalled = started is not None and time.monotonic() - started > self._stall_timeout_s
+        return self._thread.is_alive() and self._error is None and not stalled
 
     def _send(self, message: tuple) -> None:
         self._inbox.put(message)
         self._wake.set()
 
     def _run_loop(self) -> None:
+        while self._error is None:
+            try:
+                self._loop_once()
+            except Exception as exc:  # noqa: BLE001 - fail the live requests, keep serving
+                log.exception("engine loop error; failing every live request")
+                self._fail_all(exc)
+
+    def _loop_once(self) -> None:
+        self._drain_inbox()
+        if not self.engine.has_unfinished():
+            self._wake.wait()
+            self._wake.clear()
+            return
+        self._step_started_s = time.monotonic()
+        outputs = self.engine.step()
+        self._step_started_s = None
+        for output in outputs:
+            self._deliver(output.request_id, output)
+        self._stats = self.engine.stats()
+
+    def _fail_all(self, exc: Exception) -> None:
+        """Abort every live request with an error; if even that fails, the engine is dead."""
+        self._step_started_s = None
         try:
-            while True:
-                self._drain_inbox()
-                if not self.engine.has_unfinished():
-                    self._wake.wait()
-                    self._wake.clear()
-                    continue
-                for output in self.engine.step():
-                    self._deliver(output.request_id, output)
-                self._stats = self.engine.stats()
-        except BaseException as exc:  # surfaced to every waiting stream
-            self._error = exc
-            for request_id in list(self._streams):
-                self._deliver(request_id, RuntimeError(f"engine loop died: {exc!r}"))
+            for request_id in list(self.engine.requests):
+                self.engine.abort_request(request_id)
+        except Exception as abort_exc:  # noqa: BLE001 - state is beyond repair
+            self._error = abort_exc
+        for request_id in list(self._streams):
+            self._deliver(request_id, EngineRequestError(f"engine loop error: {exc!r}"))
 
     def _drain_inbox(self) -> None:
         while True:

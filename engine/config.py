@@ -91,6 +91,9 @@ class EngineConfig:
     num_threads: int | None = None
     """torch intra-op threads, applied by the process owner (engine.process.configure_process);
     None leaves torch's default."""
+    stall_timeout_s: float = 120.0
+    """A step running longer than this while work waits marks the engine unhealthy (a
+    wedged forward pass): the pool's health check then fails and Serve replaces it."""
     cache_dir: Path = field(default_factory=default_cache_dir)
     seed: int = 0
     spec_decode: SpecDecodeConfig | None = None
@@ -110,7 +113,10 @@ class EngineConfig:
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be >= 2")
+        if self.stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The torch dtype named by `dtype`."""
         return DTYPES[self.dtype]

@@ -10,6 +10,7 @@ it from a thread.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -25,7 +26,9 @@ from engine.quant.prepare import prepare_model
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.spec_decode import DraftModelProposer, Speculator, build_speculator
+from engine.spec_decode import DraftModelProposer, Proposal, Speculator, build_speculator
+
+log = logging.getLogger(__name__)
 
 _RATE_WINDOW_S = 10.0
 
@@ -132,12 +135,18 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration of continuous batching; a delta for every request that produced tokens."""
-        drafts = self.speculator.propose(self.scheduler.running) if self.speculator else {}
-        scheduled = self.scheduler.schedule(drafts)
+        """One iteration of continuous batching; a delta for every request that produced tokens.
+
+        A failure of the forward pass fails the requests of this step (their blocks freed);
+        a failure tied to one request fails that request; the engine goes on either way.
+        """
+        scheduled = self.scheduler.schedule(self._propose())
         if not scheduled.num_new_tokens:
             return []
-        result = self.runner.execute(scheduled)
+        try:
+            result = self.runner.execute(scheduled)
+        except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine lives
+            return self._fail(list(scheduled.num_new_tokens), f"forward pass failed: {exc!r}")
         if self.speculator is not None:
             self.speculator.record(scheduled.drafts, result)
         kept = self.scheduler.update(scheduled, result)
@@ -145,7 +154,41 @@ class LLMEngine:
         self._count_generated(sum(len(o.new_token_ids) for o in outputs))
         return outputs
 
+    def _propose(self) -> dict[Request, Proposal]:
+        """Drafts for this step; a failing proposer costs the speedup, never the requests."""
+        if self.speculator is None:
+            return {}
+        try:
+            return self.speculator.propose(self.scheduler.running)
+        except Exception:  # noqa: BLE001 - speculation is optional
+            log.exception("draft proposal failed; this step runs without drafts")
+            return {}
+
+    def _fail(self, requests: list[Request], error: str) -> list[RequestOutput]:
+        """End `requests` with finish_reason `error` and free everything they hold."""
+        log.error("failing %d request(s): %s", len(requests), error)
+        outputs = []
+        for request in requests:
+            self.scheduler.finish(request, "error")
+            tracked = self.requests.get(request.request_id)
+            if tracked is not None:
+                self._release(request)
+                outputs.append(self._output(tracked, [], None, "", "error", error))
+        return outputs
+
     def _emit(self, request: Request, token_ids: list[int], result: RunnerOutput) -> RequestOutput:
+        """The request's delta; a failure here (detokenizing, stop strings) fails it alone."""
+        if request in result.failed:
+            return self._fail([request], result.failed[request])[0]
+        try:
+            return self._text_delta(request, token_ids, result)
+        except Exception as exc:  # noqa: BLE001 - one request's text must not stop the batch
+            log.exception("output processing failed for request %s", request.request_id)
+            return self._fail([request], f"output processing failed: {exc!r}")[0]
+
+    def _text_delta(
+        self, request: Request, token_ids: list[int], result: RunnerOutput
+    ) -> RequestOutput:
         """Detokenize the kept tokens, apply stop strings, and release a finished request."""
         tracked = self.requests[request.request_id]
         reason = request.finish_reason
@@ -174,6 +217,7 @@ class LLMEngine:
         logprobs: list[float] | None,
         text: str,
         reason: str | None,
+        error: str | None = None,
     ) -> RequestOutput:
         request = tracked.request
         return RequestOutput(
@@ -187,6 +231,7 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
             queue_time_s=request.queue_time_s,
+            error=error,
         )
 
     # ---- stats ---------------------------------------------------------------

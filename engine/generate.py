@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line: prompt, sampling settings, model and threads."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--prompt", required=True)
     p.add_argument("--model", default="default", help="'default', an HF folder or a .gguf file")
@@ -33,6 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Generate one answer, streaming it to stdout and timing it on stderr."""
     args = parse_args(argv)
     try:
         params = SamplingParams(

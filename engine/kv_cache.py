@@ -18,6 +18,7 @@ from engine.request import Request
 
 @dataclass(eq=False)
 class KVBlock:
+    """One block of KV slots: who holds it, and the content name it is findable by."""
     block_id: int
     ref_count: int = 0
     block_hash: int | None = None
@@ -36,10 +37,12 @@ class BlockPool:
 
     @property
     def num_blocks(self) -> int:
+        """Size of the pool."""
         return len(self.blocks)
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no live request holds (idle cached ones included: they can be evicted)."""
         return len(self._free)
 
     def allocate(self) -> KVBlock:
@@ -62,6 +65,7 @@ class BlockPool:
         block.ref_count += 1
 
     def release(self, block: KVBlock) -> None:
+        """One user fewer; at zero the block joins the free list, still findable by name."""
         assert block.ref_count > 0, f"double free of block {block.block_id}"
         block.ref_count -= 1
         if block.ref_count == 0:
@@ -113,6 +117,7 @@ class KVCacheManager:
         return hits
 
     def can_allocate(self, request: Request, num_tokens: int, cached: list[KVBlock]) -> bool:
+        """Whether `num_tokens` tokens in all fit, counting the cached blocks it would share."""
         return self._num_blocks_missing(request, num_tokens, cached) <= 0
 
     def allocate(self, request: Request, num_tokens: int, cached: list[KVBlock]) -> None:

@@ -16,6 +16,8 @@ class RunnerOutput:
     """Accepted drafts then one sampled token; the scheduler cuts at a stop."""
     logprobs: dict[Request, list[float]] = field(default_factory=dict)
     """Log-probability of each sampled token, only for requests that asked."""
+    failed: dict[Request, str] = field(default_factory=dict)
+    """Requests whose own sampling raised, with the error: they end, the batch goes on."""
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,9 @@ class RequestOutput:
     new_text: str
     finished: bool
     finish_reason: str | None = None
-    """`stop`, `length` or `abort` once finished."""
+    """`stop`, `length`, `abort` or `error` once finished."""
+    error: str | None = None
+    """What went wrong, when finish_reason is `error` (the request alone failed)."""
     new_logprobs: list[float] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
@@ -61,12 +65,14 @@ class EngineStats:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
+        """Share of looked-up prompt tokens found in the prefix cache."""
         if not self.prefix_cache_queries:
             return 0.0
         return self.prefix_cache_hits / self.prefix_cache_queries
 
     @property
     def spec_acceptance_rate(self) -> float:
+        """Share of proposed draft tokens the target accepted."""
         if not self.spec_num_draft_tokens:
             return 0.0
         return self.spec_num_accepted_tokens / self.spec_num_draft_tokens

@@ -59,6 +59,7 @@ class Request:
         self.token_ids = list(self.prompt_token_ids)
 
     def append_output_token(self, token_id: int) -> None:
+        """Add one sampled token (the scheduler's update is the only caller)."""
         self.token_ids.append(token_id)
 
     @property
@@ -70,18 +71,22 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """The tokens generated so far."""
         return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
         return len(self.token_ids)
 
     @property
     def num_tokens_with_spec(self) -> int:
+        """Tokens including the drafts riding as lookahead."""
         return self.num_tokens + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
+        """How many tokens were generated so far."""
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
@@ -91,4 +96,5 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
+        """Finished for good (stop, length, abort or error)."""
         return self.status == RequestStatus.FINISHED

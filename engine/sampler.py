@@ -92,6 +92,7 @@ def probs_for(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def mask_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Set to -inf every logit outside the top k and outside the smallest set holding top_p mass."""
+    top_k = max(top_k, 0)  # -1 and 0 both mean off
     if top_k == 0 and top_p >= 1.0:
         return logits
     sorted_logits, order = logits.sort(descending=True)

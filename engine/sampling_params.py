@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy (vLLM's rule): dividing logits by 1e-300 overflows."""
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+"""A seed is any 64-bit integer, signed or unsigned."""
 
 
 @dataclass(frozen=True)
@@ -17,7 +23,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    """0 disables top-k."""
+    """0 (or -1, OpenAI-compatible servers' spelling) disables top-k."""
     min_tokens: int = 0
     """EOS and stop tokens are suppressed until this many tokens were generated."""
     repetition_penalty: float = 1.0
@@ -35,14 +41,21 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        """Raise ValueError naming the field and its allowed range: no value that passes can
+        poison a batch (NaN, infinities, zero or negative scales)."""
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be >= -1 (0 or -1 disable it), got {self.top_k}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}]")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:
@@ -56,4 +69,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax decoding: temperature 0, or so close to it that scaling would overflow."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE

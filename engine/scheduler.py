@@ -45,6 +45,7 @@ class SchedulerOutput:
 
     @property
     def total_tokens(self) -> int:
+        """Tokens this step computes across the batch."""
         return sum(self.num_new_tokens.values())
 
 
@@ -115,13 +116,16 @@ class Scheduler:
         """Advance every request of the step; return the tokens each sampling request kept.
 
         Blocks are named for the prefix cache before anything can finish and free them.
-        Sampled tokens are appended up to the first stop token or the length limit, then
+        A request whose sampling failed finishes with `error`. Sampled tokens are appended up to the first stop token or the length limit, then
         lookahead past the newest token (rejected drafts) is rolled back.
         """
         for request, num_new in scheduled.num_new_tokens.items():
             request.num_computed_tokens += num_new
             self.kv.cache_full_blocks(request)
         kept: dict[Request, list[int]] = {}
+        for request in result.failed:
+            kept[request] = []
+            self.finish(request, "error")
         for request, token_ids in result.sampled_token_ids.items():
             kept[request], reason = self._append(request, token_ids)
             self._roll_back_lookahead(request)

@@ -65,6 +65,7 @@ class NgramProposer:
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
 
     def propose(self, requests: dict[Request, int]) -> dict[Request, Proposal]:
+        """Up to k drafts per request, copied from earlier in its own tokens."""
         out = {}
         for request, k in requests.items():
             draft = self._lookup(request.token_ids, k)
@@ -88,9 +89,13 @@ class NgramProposer:
 class DraftRunner(Protocol):
     """What the draft proposer needs of a model runner (engine.model.model_runner)."""
 
-    def prepare(self, num_new_tokens: dict[Request, int]) -> object: ...
+    def prepare(self, num_new_tokens: dict[Request, int]) -> object:
+        """Pack the shadows' pending tokens into one batch."""
+        ...
 
-    def compute_logits(self, batch: object) -> torch.Tensor: ...
+    def compute_logits(self, batch: object) -> torch.Tensor:
+        """Logits, one row per request, at each shadow's last position."""
+        ...
 
 
 class DraftModelProposer:

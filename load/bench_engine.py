@@ -29,6 +29,7 @@ VOCAB_LOW, VOCAB_HIGH = 1000, 40000  # ordinary BPE tokens, away from the specia
 
 
 def make_prompts(n: int, low: int, high: int, seed: int) -> list[list[int]]:
+    """`n` random-token prompts (ordinary BPE ids) of low..high tokens: nothing to cache or look up."""
     rng = random.Random(seed)
     return [
         [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(rng.randint(low, high))]
@@ -65,6 +66,7 @@ def hf_generate(hf, batch: list[list[int]], max_tokens: int, pad_id: int) -> int
 
 
 def run_hf(hf, prompts: list[list[int]], batch_size: int, max_tokens: int, pad_id: int) -> float:
+    """transformers' output tok/s over `prompts` in static batches of `batch_size`."""
     start, num_tokens = time.perf_counter(), 0
     for i in range(0, len(prompts), batch_size):
         num_tokens += hf_generate(hf, prompts[i : i + batch_size], max_tokens, pad_id)
@@ -107,6 +109,7 @@ def mean_ttft_ms(engine: LLMEngine, prompts: list[list[int]]) -> float:
 
 
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """The benchmark's engine settings (bf16, 64 sequences), with `overrides`."""
     base = dict(
         dtype="bfloat16",
         max_num_seqs=64,
@@ -118,6 +121,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
 
 
 def main() -> None:
+    """Run every comparison and print its JSON lines."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--threads", type=int, default=1)

@@ -49,6 +49,7 @@ def linear_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def rss_bytes() -> int:
+    """This process's resident memory after a garbage collection."""
     import psutil
 
     gc.collect()
@@ -80,6 +81,7 @@ def _greedy(num_tokens: int) -> SamplingParams:
 
 
 def engine_config(variant: str, threads: int) -> EngineConfig:
+    """The engine settings of one variant (bf16, int8, int4) at the benchmark's concurrency."""
     return EngineConfig(
         max_num_seqs=CONCURRENCY,
         kv_cache_memory_gb=0.25,
@@ -90,6 +92,7 @@ def engine_config(variant: str, threads: int) -> EngineConfig:
 
 
 def build_engine(variant: str, threads: int) -> LLMEngine:
+    """An engine for one variant."""
     return LLMEngine(engine_config(variant, threads))
 
 
@@ -122,6 +125,7 @@ def measure_speed(variants: list[str], quick: bool, threads: int) -> dict[str, d
 
 
 def run_child(flag: str, variant: str, threads: int) -> dict[str, float] | None:
+    """Measure one variant in a fresh process (clean memory); the memory figures when asked."""
     command = [sys.executable, "-m", "load.bench_quant", flag, variant, "--threads", str(threads)]
     out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
     return json.loads(out.strip().splitlines()[-1]) if flag == "--memory" else None
@@ -144,6 +148,7 @@ def report(results: dict[str, dict[str, float]], common: dict) -> None:
 
 
 def main() -> None:
+    """Prepare, measure and compare every variant; print JSON lines."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

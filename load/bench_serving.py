@@ -50,6 +50,7 @@ SEED = 0
 
 @dataclass(frozen=True)
 class Plan:
+    """How many requests at which concurrencies, and how long the long-prompt ones are."""
     concurrencies: tuple[int, ...]
     requests_per_worker: int
     long_requests: int
@@ -72,6 +73,7 @@ class Result:
 
     @property
     def tpot_s(self) -> float | None:
+        """Time per output token after the first; None with fewer than two tokens."""
         if self.num_output_tokens < 2:
             return None
         return (self.e2e_s - self.ttft_s) / (self.num_output_tokens - 1)
@@ -87,6 +89,7 @@ class Prompts:
         self._overhead = len(self._ids(""))
 
     def body(self, num_tokens: int, max_tokens: int) -> dict[str, Any]:
+        """A chat body whose prompt is about `num_tokens` tokens of filler text and a question."""
         question = "\n\n" + self._rng.choice(QUESTIONS)
         budget = num_tokens - self._overhead - len(self._encode(question))
         # Twice the words needed, then cut to the token budget: the question stays whole.
@@ -148,6 +151,7 @@ async def closed_loop(
     results: list[Result] = []
 
     async def worker(http: httpx.AsyncClient) -> None:
+        """Send queued bodies one after another until the queue is empty."""
         while queue:
             results.append(await stream_chat(http, queue.pop(), tier))
 
@@ -221,6 +225,7 @@ async def serve_overhead(base_url: str, config: TierserveConfig, prompts: Prompt
 
 
 async def run(base_url: str, config: TierserveConfig, prompts: Prompts, plan: Plan) -> None:
+    """Stream every tier at every concurrency and emit its latency percentiles."""
     for tier in TIERS:
         for concurrency in plan.concurrencies:
             bodies = [prompts.body(PROMPT_TOKENS, OUTPUT_TOKENS)
@@ -236,6 +241,7 @@ async def run(base_url: str, config: TierserveConfig, prompts: Prompts, plan: Pl
 
 
 def main() -> None:
+    """Start the app on a private cluster (or use --url) and run the plan."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )

@@ -59,6 +59,7 @@ CASES = (  # (prompt set, proposer, ratio metric)
 
 
 def load_prompts(engine: LLMEngine, prompt_set: str, limit: int | None) -> list[list[int]]:
+    """The chat-templated prompts of one prompt set, at most `limit`."""
     lines = (PROMPT_DIR / f"{prompt_set}.jsonl").read_text().splitlines()
     texts = [json.loads(line)["prompt"] for line in lines if line.strip()][:limit]
     return [chat_prompt_ids(engine.tokenizer, text) for text in texts]
@@ -72,7 +73,9 @@ class Timings:
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def wrap(self, fn, name_of):
+        """`fn`, timed into the bucket `name_of(*args)` names."""
         def timed(*args, **kwargs):
+            """Call `fn` and add its wall time to its bucket."""
             start = time.perf_counter()
             result = fn(*args, **kwargs)
             name = name_of(*args)
@@ -83,6 +86,7 @@ class Timings:
         return timed
 
     def mean_ms(self, name: str) -> float:
+        """Mean milliseconds per call of one bucket."""
         return self.seconds[name] / self.calls[name] * 1000 if self.calls[name] else 0.0
 
 
@@ -91,6 +95,7 @@ def instrument(engine: LLMEngine) -> Timings:
     timings = Timings()
 
     def forward_name(batch) -> str:
+        """The timing bucket of a forward pass: by packed length, or prefill."""
         q_len = batch.input_ids.numel()
         return f"forward_q{q_len}" if q_len <= 16 else "forward_prefill"
 
@@ -105,6 +110,7 @@ def instrument(engine: LLMEngine) -> Timings:
 
 @dataclass
 class Result:
+    """One request's tokens and decode timing."""
     token_ids: list[int]
     tpot_ms: float | None
     decode_s: float
@@ -129,19 +135,23 @@ def run_one(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> Res
 
 @dataclass
 class Side:
+    """The results of one engine over one prompt set."""
     results: list[Result] = field(default_factory=list)
 
     @property
     def tpot_ms(self) -> float:
+        """Mean time per output token over the requests."""
         return statistics.mean(r.tpot_ms for r in self.results if r.tpot_ms is not None)
 
     @property
     def decode_tok_s(self) -> float:
+        """Decode tokens per second over the requests."""
         num_tokens = sum(r.num_decode_tokens for r in self.results)
         return num_tokens / sum(r.decode_s for r in self.results)
 
 
 def spec_counters(engine: LLMEngine) -> tuple[int, int, int]:
+    """The speculator's counters: drafts, draft tokens, accepted tokens."""
     s = engine.stats()
     return s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens
 
@@ -177,12 +187,14 @@ _TIMINGS: dict[int, Timings] = {}
 
 
 def instrument_once(engine: LLMEngine) -> Timings:
+    """Instrument an engine once, however many cases reuse it."""
     if id(engine) not in _TIMINGS:
         _TIMINGS[id(engine)] = instrument(engine)
     return _TIMINGS[id(engine)]
 
 
 def engine_config(args: argparse.Namespace, spec: SpecDecodeConfig | None) -> EngineConfig:
+    """Engine settings for a side: bf16, batch 1, with or without speculation."""
     return EngineConfig(
         dtype="bfloat16",
         num_threads=args.threads,
@@ -195,6 +207,7 @@ def engine_config(args: argparse.Namespace, spec: SpecDecodeConfig | None) -> En
 
 
 def ngram_spec(args: argparse.Namespace, k: int | None = None, ngram_min: int | None = None):
+    """Prompt-lookup settings, defaulting to the command line's."""
     return SpecDecodeConfig(
         method="ngram",
         num_speculative_tokens=k or args.ngram_k,
@@ -204,6 +217,7 @@ def ngram_spec(args: argparse.Namespace, k: int | None = None, ngram_min: int | 
 
 
 def draft_spec(args: argparse.Namespace, k: int | None = None, layers: int | None = None):
+    """Draft-model settings, defaulting to the command line's."""
     return SpecDecodeConfig(
         method="draft",
         num_speculative_tokens=k or args.draft_k,
@@ -213,6 +227,7 @@ def draft_spec(args: argparse.Namespace, k: int | None = None, layers: int | Non
 
 
 def warm_up(engine: LLMEngine) -> None:
+    """One short request, so lazy set-up does not land in the first measurement."""
     run_one(
         engine,
         chat_prompt_ids(engine.tokenizer, "Say hello."),
@@ -243,6 +258,7 @@ def report_profile(label: str, timings: Timings, common: dict) -> None:
 
 
 def bench(args: argparse.Namespace) -> None:
+    """Every (prompt set, proposer) case against no speculation; print JSON lines."""
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     limit = args.num_prompts
     common = dict(
@@ -326,6 +342,7 @@ def sweep(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    """Parse the command line and run the benchmark or the sweep."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer prompts, shorter outputs")
     p.add_argument("--sweep", action="store_true", help="try proposer settings instead")

@@ -32,10 +32,12 @@ OUTPUT_TOKENS = (32, 128)
 
 
 class ChatUser(HttpUser):
+    """A chat client of a random tier, streaming, with think time between requests."""
     wait_time = between(0.5, 2)
 
     @task
     def chat(self) -> None:
+        """One streamed chat request, timed to its first token and its end."""
         tier = random.choices(list(TIER_WEIGHTS), weights=list(TIER_WEIGHTS.values()))[0]
         prompt = chat_turn(random.randint(*PROMPT_TOKENS), random.Random())
         body = {

@@ -56,6 +56,7 @@ NOTES = {
 
 
 def read_rows(path: Path, split: str = "eval") -> list[dict]:
+    """The prompt rows of one split (calib or eval)."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     return [row for row in rows if row["split"] == split]
 
@@ -141,6 +142,7 @@ def make_references(path: Path, max_new_tokens: int = REFERENCE_TOKENS) -> None:
 
 
 def main() -> None:
+    """Compare each scheme with bf16 on the eval prompts; print JSON lines."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -11,6 +11,7 @@ from typing import Any
 
 @cache
 def git_commit() -> str:
+    """The short commit hash of the code being measured ("unknown" outside git)."""
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
@@ -20,6 +21,7 @@ def git_commit() -> str:
 
 
 def emit(bench: str, metric: str, value: float, unit: str, **extra: Any) -> None:
+    """Print one benchmark figure as a JSON line on stdout."""
     record = {"bench": bench, "metric": metric, "value": round(float(value), 4), "unit": unit}
     record.update(extra, commit=git_commit())
     print(json.dumps(record), flush=True)
@@ -27,4 +29,5 @@ def emit(bench: str, metric: str, value: float, unit: str, **extra: Any) -> None
 
 
 def log(message: str) -> None:
+    """Print a human-readable line on stderr."""
     print(message, file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ class RequestFeatures:
 
     @property
     def num_total_tokens(self) -> int:
+        """Prompt plus the most it may generate."""
         return self.num_prompt_tokens + self.max_tokens
 
 
@@ -37,6 +38,7 @@ class PoolLoad:
         return self.num_in_flight < self.capacity
 
     def fits(self, features: RequestFeatures) -> bool:
+        """Whether the request's tokens fit this pool's per-request limit."""
         limit = self.max_request_tokens
         return limit is None or features.num_total_tokens <= limit
 

@@ -54,7 +54,12 @@ def allocation_state(engine: LLMEngine) -> tuple:
         (dict(temperature=-0.1), r"temperature must be >= 0, got -0.1"),
         (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
         (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
-        (dict(top_k=-1), r"top_k must be >= 0"),
+        (dict(top_k=-2), r"top_k must be >= -1"),
+        (dict(temperature=float("nan")), r"temperature must be a finite number"),
+        (dict(top_p=float("inf")), r"top_p must be a finite number"),
+        (dict(repetition_penalty=float("nan")), r"repetition_penalty must be a finite number"),
+        (dict(repetition_penalty=0.0), r"repetition_penalty must be > 0"),
+        (dict(seed=2**64), r"seed must be a 64-bit integer"),
     ],
 )
 def test_bad_sampling_params_name_the_field_and_limit(kwargs, message):

@@ -32,6 +32,7 @@ SHORT_QUERY_MAX = 8
 
 @dataclass(frozen=True)
 class AttentionGroup:
+    """Sequences attended together in one padded SDPA call."""
     token_index: torch.Tensor  # [G_T] packed-token rows this group computes
     query_index: torch.Tensor  # [B, max_q] packed-token row of each padded query
     unpad_index: torch.Tensor  # [G_T] row of the flattened [B * max_q] output per token
@@ -75,6 +76,7 @@ class KernelGroup:
     block_size: int
 
     def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        """[G_T, H, D] outputs of this group's queries, read from the paged cache in place."""
         return kernels.paged_attention(
             q[self.token_index], k_cache, v_cache, self.block_tables, self.query_seq,
             self.visible, self.block_size,
@@ -192,6 +194,7 @@ def _pad_tables(block_tables: list[list[int]], width: int) -> torch.Tensor:
 
 def _to(group: AttentionGroup, device: torch.device | str) -> AttentionGroup:
     def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        """The tensor on `device`; None stays None."""
         return None if t is None else t.to(device)
 
     return AttentionGroup(

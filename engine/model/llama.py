@@ -22,6 +22,7 @@ from engine.model.attention import AttentionMetadata, paged_attention
 
 @dataclass(frozen=True)
 class ModelArgs:
+    """The architecture of a Llama-family checkpoint, read from its config.json."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -120,6 +121,7 @@ LayerKV = tuple[torch.Tensor, torch.Tensor] | None
 
 
 def rotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+    """Apply rotary embeddings to `x` [T, H, D] (the rotate-half layout)."""
     cos, sin = rotation
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -127,6 +129,7 @@ def rotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in fp32 like the reference."""
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -134,11 +137,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 as the reference implementation does, then scale.
+        """Normalised `x`, scaled by the learned weight, in `x`'s dtype."""
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         return self.weight * normed
 
 
 class Attention(nn.Module):
+    """Grouped-query self-attention with one fused QKV projection."""
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = args.num_heads, args.num_kv_heads
@@ -153,6 +158,7 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, rotation: Rotation, meta: AttentionMetadata | None, kv: LayerKV
     ) -> torch.Tensor:
+        """Attention output [T, hidden] for packed tokens [T, hidden]."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -175,6 +181,7 @@ def _dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
 
 
 class MLP(nn.Module):
+    """SwiGLU feed-forward with one fused gate/up projection."""
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.intermediate_size = args.intermediate_size
@@ -184,11 +191,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x))."""
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: attention then MLP, each around a residual."""
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -199,11 +208,13 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, rotation: Rotation, meta: AttentionMetadata | None, kv: LayerKV
     ) -> torch.Tensor:
+        """The block's output for packed hidden states [T, hidden]."""
         x = x + self.self_attn(self.input_layernorm(x), rotation, meta, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaForCausalLM(nn.Module):
+    """The whole decoder: embeddings, layers, final norm and output head."""
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args

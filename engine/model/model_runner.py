@@ -10,6 +10,8 @@ random generators live here and nowhere else.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,8 @@ from engine.request import Request
 from engine.sampler import SampleRow, sample, verify
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import Proposal
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class ModelRunner:
         shape = (num_blocks * self.block_size, args.num_kv_heads, args.head_dim)
 
         def zeros() -> torch.Tensor:
+            """An empty cache tensor of one layer's K or V."""
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
         return [(zeros(), zeros()) for _ in range(args.num_layers)]
@@ -133,23 +138,51 @@ class ModelRunner:
     def sample(
         self, batch: StepBatch, logits: torch.Tensor, drafts: dict[Request, Proposal]
     ) -> RunnerOutput:
-        """One batched draw for the requests without drafts, a verification for each with."""
+        """One batched draw for the requests without drafts, a verification for each with.
+
+        A request whose own sampling raises is reported in `failed`; the others keep
+        their tokens.
+        """
         requests = batch.sampling_requests
         first_row = torch.tensor([0, *batch.num_logits_rows[:-1]]).cumsum(0).tolist()
         plain = [i for i, request in enumerate(requests) if request not in drafts]
         plain_logits = logits if len(plain) == len(logits) else logits[[first_row[i] for i in plain]]
-        rows = [self._sample_row(requests[i]) for i in plain]
-        token_ids, logprobs = sample(plain_logits, rows) if plain else ([], [])
         out = RunnerOutput()
-        for i, token_id, logprob in zip(plain, token_ids, logprobs, strict=True):
-            out.sampled_token_ids[requests[i]] = [token_id]
-            if logprob is not None:
-                out.logprobs[requests[i]] = [logprob]
+        self._sample_plain([requests[i] for i in plain], plain_logits, out)
         for i, request in enumerate(requests):
             if request in drafts:
                 own_rows = logits[first_row[i] : first_row[i] + batch.num_logits_rows[i]]
-                self._verify(request, own_rows, drafts[request], out)
+                _guarded(request, out, lambda: self._verify(request, own_rows, drafts[request], out))
         return out
+
+    def _sample_plain(self, requests: list[Request], logits: torch.Tensor, out: RunnerOutput) -> None:
+        """Draw all rows at once; if that raises, row by row, so only the culprit fails."""
+        if not requests:
+            return
+        try:
+            self._record(requests, *sample(logits, [self._sample_row(r) for r in requests]), out)
+        except Exception:  # noqa: BLE001 - isolated below, row by row
+            for i, request in enumerate(requests):
+                row_logits = logits[i : i + 1]
+                _guarded(
+                    request,
+                    out,
+                    lambda: self._record(
+                        [request], *sample(row_logits, [self._sample_row(request)]), out
+                    ),
+                )
+
+    @staticmethod
+    def _record(
+        requests: list[Request],
+        token_ids: list[int],
+        logprobs: list[float | None],
+        out: RunnerOutput,
+    ) -> None:
+        for request, token_id, logprob in zip(requests, token_ids, logprobs, strict=True):
+            out.sampled_token_ids[request] = [token_id]
+            if logprob is not None:
+                out.logprobs[request] = [logprob]
 
     def _verify(
         self, request: Request, logits: torch.Tensor, draft: Proposal, out: RunnerOutput
@@ -182,6 +215,16 @@ class ModelRunner:
             generator = torch.Generator().manual_seed(seed)
             self._generators[request.request_id] = generator
         return generator
+
+
+def _guarded(request: Request, out: RunnerOutput, work: Callable[[], None]) -> None:
+    """Run one request's sampling; an exception fails that request alone."""
+    try:
+        work()
+    except Exception as exc:  # noqa: BLE001 - any per-request failure must not stop the batch
+        log.exception("sampling failed for request %s", request.request_id)
+        out.failed[request] = f"sampling failed: {exc!r}"
+        out.sampled_token_ids.pop(request, None)
 
 
 def _tokens_with_spec(request: Request, start: int, end: int) -> list[int]:

@@ -18,6 +18,7 @@ BATCH_HINT = 64
 
 
 class PackedLinear(nn.Module):
+    """A bf16 nn.Linear whose weight oneDNN has pre-reordered: same output, faster on CPU."""
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -27,9 +28,11 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T + b through oneDNN's packed bf16 kernel."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
+        """Shapes and the kernel, for printing the model."""
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn bf16"
 
 

@@ -54,6 +54,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("input_scale", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Same call and output shape as the nn.Linear it replaced."""
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
         if self.input_scale is not None:
@@ -64,6 +65,7 @@ class QuantLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] times the quantized weight: the scheme's kernel."""
         raise NotImplementedError
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -95,13 +97,16 @@ class Int8Linear(QuantLinear):
         self.register_buffer("scales", torch.empty(out_features, dtype=dtype, device=device))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ W^T through the INT8 weight-only matmul (CPU, Triton or reference)."""
         mm = int8_mm_triton if x.is_cuda else int8_mm_cpu
         return mm(x, self.qweight, self.scales)
 
     def dequantized_weight(self) -> torch.Tensor:
+        """The fp weight this module computes with: for quality checks and tests."""
         return self._fold_input_scale(self.qweight.float() * self.scales.float()[:, None])
 
     def extra_repr(self) -> str:
+        """Shapes and scheme, for printing the model."""
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
@@ -132,16 +137,19 @@ class Int4Linear(QuantLinear):
         )
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ W^T through the INT4 group-wise matmul (CPU, Triton or reference)."""
         mm = int4_mm_triton if x.is_cuda else int4_mm_cpu
         return mm(x, self.qweight, self.scales_and_zeros, self.group_size)
 
     def dequantized_weight(self) -> torch.Tensor:
+        """The fp weight this module computes with: for quality checks and tests."""
         weight = int4_dequantize(
             self.qweight, self.scales_and_zeros.float(), self.group_size, torch.float32
         )
         return self._fold_input_scale(weight)
 
     def extra_repr(self) -> str:
+        """Shapes, scheme and group size, for printing the model."""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"int4, group_size={self.group_size}"
@@ -212,5 +220,6 @@ def _eligible_group_size(linear: nn.Linear, config: QuantConfig) -> int | None:
 
 
 def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Replace the submodule at dotted path `name` with `module`."""
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
