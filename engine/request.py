@@ -37,6 +37,8 @@ class Request:
     params: SamplingParams
     priority: int = 0
     """Lower runs first (vLLM's convention)."""
+    eos_token_ids: frozenset[int] = frozenset()
+    """The model's end-of-sequence ids: they stop the request unless it ignores EOS."""
     arrival: int = 0
     """Arrival order in its scheduler (set by `Scheduler.add`): breaks priority ties."""
     arrival_time_s: float = field(default_factory=time.monotonic)

@@ -55,17 +55,10 @@ class Scheduler:
     Owns the waiting queue and the running batch; never touches a tensor.
     """
 
-    def __init__(
-        self,
-        kv: KVCacheManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        eos_token_ids: frozenset[int] = frozenset(),
-    ) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.eos_token_ids = eos_token_ids
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -116,12 +109,15 @@ class Scheduler:
         """Advance every request of the step; return the tokens each sampling request kept.
 
         Blocks are named for the prefix cache before anything can finish and free them.
-        A request whose sampling failed finishes with `error`. Sampled tokens are appended up to the first stop token or the length limit, then
-        lookahead past the newest token (rejected drafts) is rolled back.
+        A failed request advances nothing (its K/V may be garbage, so its blocks are never
+        named) and finishes with `error`. Sampled tokens are appended up to the first stop
+        token or the length limit, then lookahead past the newest token (rejected drafts)
+        is rolled back.
         """
         for request, num_new in scheduled.num_new_tokens.items():
-            request.num_computed_tokens += num_new
-            self.kv.cache_full_blocks(request)
+            if request not in result.failed:
+                request.num_computed_tokens += num_new
+                self.kv.cache_full_blocks(request)
         kept: dict[Request, list[int]] = {}
         for request in result.failed:
             kept[request] = []
@@ -159,7 +155,7 @@ class Scheduler:
         params = request.params
         if token_id in params.stop_token_ids:
             return "stop"
-        if token_id in self.eos_token_ids and not params.ignore_eos:
+        if token_id in request.eos_token_ids and not params.ignore_eos:
             return "stop"
         if request.num_output_tokens >= params.max_tokens:
             return "length"

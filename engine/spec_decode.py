@@ -241,6 +241,8 @@ class Speculator:
     def record(self, drafts: dict[Request, Proposal], result: RunnerOutput) -> None:
         """Count each verified draft (as scheduled) and let the back-off learn from it."""
         for request, draft in drafts.items():
+            if request not in result.sampled_token_ids:
+                continue  # the request failed: nothing was verified
             num_proposed = len(draft.token_ids)
             num_accepted = len(result.sampled_token_ids[request]) - 1
             self.num_drafts += 1
@@ -266,12 +268,12 @@ class Speculator:
         return max(0, min(self.backoff.k_for(request.request_id), room))
 
 
-def build_speculator(
-    spec: SpecDecodeConfig, draft: DraftModelProposer | None = None
-) -> Speculator:
+def build_speculator(spec: SpecDecodeConfig, draft: DraftModelProposer | None = None) -> Speculator:
     """The pool's speculator: prompt lookup, or the draft proposer the engine built."""
     if spec.method == "ngram":
-        return Speculator(NgramProposer(spec.ngram_min, spec.ngram_max), spec.num_speculative_tokens)
+        return Speculator(
+            NgramProposer(spec.ngram_min, spec.ngram_max), spec.num_speculative_tokens
+        )
     if draft is None:
         raise ValueError("spec_decode.method 'draft' needs a draft model")
     return Speculator(draft, spec.num_speculative_tokens)

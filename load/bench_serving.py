@@ -38,7 +38,7 @@ from engine.config import default_cache_dir
 from engine.model.loader import load_tokenizer
 from engine.sampling_params import SamplingParams
 from load.prompts import QUESTIONS, passage
-from load.report import emit, log
+from load.report import emit, log, percentile
 
 BENCH = "serving"
 TIERS = ("interactive", "standard", "batch")
@@ -160,15 +160,6 @@ async def closed_loop(
         start_s = time.perf_counter()
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
     return results, time.perf_counter() - start_s
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100]; one value is its own every percentile."""
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def report(

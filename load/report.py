@@ -31,3 +31,12 @@ def emit(bench: str, metric: str, value: float, unit: str, **extra: Any) -> None
 def log(message: str) -> None:
     """Print a human-readable line on stderr."""
     print(message, file=sys.stderr, flush=True)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]; one value is its own every percentile."""
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,10 +20,22 @@ class Tier(BaseModel):
     """Time-per-output-token target, measured after the first token."""
     priority: int = 0
     """Engine scheduling priority: lower runs first (vLLM's convention)."""
+    max_cost_per_1k_tokens: float | None = Field(default=None, gt=0)
+    """The most this tier may cost per 1k output tokens: load/sweep.py picks the largest
+    batch that meets the SLO within it."""
     pool: str
     """The pool this tier runs on while that pool has headroom."""
     overflow_pool: str | None = None
-    """Where the tier goes when `pool` is full; None keeps it on `pool`."""
+    """A second pool the tier may run on (the cheaper of the two that meets the SLO wins);
+    None keeps it on `pool`."""
+    on_slo_miss: Literal["protect", "downgrade", "queue"] = "queue"
+    """When no pool is predicted to meet the SLO: `protect` runs it wherever its first token
+    is in time (refused only when its own tier's demand is too much), `downgrade` runs it
+    on `overflow_pool` without the SLO, `queue` waits on `pool` (policies/placement.py)."""
+    deadline_s: float | None = Field(default=None, gt=0)
+    """Longest a request of this tier may run, from arrival; past it the request is aborted
+    and the client told (408, or an error event on a stream). None: only the app's
+    request_timeout_s applies."""
     shed_at_queue_fraction: float = Field(default=1.0, gt=0, le=1)
     """Shed with 429 once a pool's queue reaches this fraction of its limit:
     lower tiers get smaller fractions so they are shed first."""

@@ -1,1 +1,2 @@
-"""The forward pass and what feeds it: model, attention, loader, chat template, packed linears, runner."""
+"""The forward pass and what feeds it: model, attention, loader, chat template,
+packed linears, model runner."""

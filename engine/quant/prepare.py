@@ -8,7 +8,7 @@ device's empty modules instead of quantizing again.
 
 from __future__ import annotations
 
-import hashlib
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,11 +19,21 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig, QuantConfig
 from engine.model.llama import LlamaForCausalLM, ModelArgs
-from engine.model.loader import load_dense, load_model, model_args, resolve_model_dir
+from engine.model.loader import (
+    KEY_CHARS,
+    cache_lock,
+    content_digest,
+    load_dense,
+    load_model,
+    model_args,
+    resolve_model_dir,
+)
 from engine.quant.awq import calibration_token_ids, search_model
 from engine.quant.checkpoint import checkpoint_filename, load_quantized, save_quantized
 from engine.quant.linear import quantization_plan, quantize_linear, set_submodule
 from engine.quant.maths import AwqParams
+
+log = logging.getLogger(__name__)
 
 
 def prepare_model(
@@ -38,32 +48,67 @@ def prepare_model(
 def load_quantized_model(
     config: EngineConfig, num_layers: int | None = None
 ) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
-    """Quantize once, then reuse the saved checkpoint."""
+    """Quantize once per checkpoint path, then reuse the saved checkpoint.
+
+    A missing, corrupt or stale checkpoint is (re)built under the entry's cache lock:
+    of several pools starting together one quantizes, the others wait and load its
+    file. A refused file is logged and rebuilt, never fatal.
+    """
     quant = config.quant
     assert quant is not None, "load_quantized_model needs config.quant"
     model_dir = resolve_model_dir(config.model, config.cache_dir)
     args = model_args(model_dir, num_layers)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     path = quantized_checkpoint_path(model_dir, args, config)
-    if path.is_file():
-        with torch.device("meta"):
-            model = LlamaForCausalLM(args)
-        load_quantized(model, path, quant)
-        model.reset_rope()
-        return model.to(config.device).eval(), tokenizer
+    model = _load_checkpoint(path, args, quant)
+    if model is None:
+        with cache_lock(path):
+            model = _load_checkpoint(path, args, quant)  # written while we waited?
+            if model is None:
+                model = _quantize(model_dir, args, config, tokenizer)
+                save_quantized(model, path, quant)
+    return model.to(config.device).eval(), tokenizer
+
+
+def _quantize(
+    model_dir: Path, args: ModelArgs, config: EngineConfig, tokenizer: PreTrainedTokenizerBase
+) -> LlamaForCausalLM:
+    """The dense model quantized per `config.quant` (AWQ calibrates on our own prompts)."""
+    assert config.quant is not None
+    quant = config.quant
     print(f"tierserve: quantizing to {quant.scheme} ({quant.method}), once...", file=sys.stderr)
     model = load_dense(model_dir, args, config)
     calibration = calibration_token_ids(tokenizer) if quant.method == "awq" else ()
     quantize_model(model, quant, calibration)
-    save_quantized(model, path, quant)
-    return model, tokenizer
+    return model
+
+
+def _load_checkpoint(path: Path, args: ModelArgs, quant: QuantConfig) -> LlamaForCausalLM | None:
+    """The model from its checkpoint; None when there is none or it is refused (logged)."""
+    if not path.is_file():
+        return None
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args)
+    try:
+        load_quantized(model, path, quant)
+    except ValueError as error:
+        log.warning("tierserve: quantizing again, the checkpoint is refused: %s", error)
+        return None
+    model.reset_rope()
+    return model
 
 
 def quantized_checkpoint_path(model_dir: Path, args: ModelArgs, config: EngineConfig) -> Path:
-    """Cache path keyed by the model folder, dtype, depth and quantization settings."""
+    """Cache path keyed by the weights' content, dtype, depth and quantization settings.
+
+    The key is a digest of the folder's safetensors and config.json (engine.model.loader's
+    `content_digest`): a moved or copied folder finds its checkpoint, changed weights
+    get a new one.
+    """
     assert config.quant is not None
-    source = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:12]
-    variant = f"{model_dir.name}-{source}-{config.dtype}-{args.num_layers}L"
+    sources = [*model_dir.glob("*.safetensors"), model_dir / "config.json"]
+    key = content_digest(sources, config.cache_dir)[:KEY_CHARS]
+    variant = f"{key}-{config.dtype}-{args.num_layers}L"
     return Path(config.cache_dir) / "quantized" / variant / checkpoint_filename(config.quant)
 
 
@@ -82,7 +127,8 @@ def quantize_model(
     if config.method == "awq":
         if not calibration:
             raise ValueError(
-                "quant.method 'awq' needs calibration token ids (engine.quant.awq.calibration_token_ids)"
+                "quant.method 'awq' needs calibration token ids "
+                "(engine.quant.awq.calibration_token_ids)"
             )
         found = search_model(model, plan, config.scheme, calibration)
     for name, group_size in plan.items():

@@ -1,0 +1,125 @@
+"""Predicted time to first token and time per output token of a request on a pool.
+
+The model follows the engine's scheduler (engine/scheduler.py): sequences of
+a more urgent or equal priority are served first, so only they delay a new
+request's slot and its prefill; every running sequence, whatever its
+priority, shares the decode steps and so sets the time per token. A step
+costs `base + per_seq * sequences + per_token * tokens` seconds, fitted online
+by each engine (engine/step_cost.py). Work spreads evenly over replicas.
+
+    slot wait   = finishes needed / slots * remaining tokens of a decode * TPOT
+    prefill     = steps to compute the prompts ahead and this one, each a step with
+                  the decodes riding along and a chunk of the budget for prefill
+    TTFT        = slot wait + prefill
+    TPOT        = one decode step at the batch the request will run in
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds a step costs: base, plus per sequence, plus per token computed."""
+
+    base_s: float
+    per_seq_s: float
+    per_token_s: float
+
+    def step_s(self, num_seqs: int, num_tokens: int) -> float:
+        """Predicted duration of a step over `num_seqs` sequences computing `num_tokens`."""
+        return self.base_s + self.per_seq_s * num_seqs + self.per_token_s * num_tokens
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """One sequence a pool is working on, as the ingress that sent it knows it."""
+
+    priority: int
+    num_prompt_tokens: int
+    num_remaining_tokens: int
+    """Output tokens it is still expected to produce."""
+    prefilled: bool
+    """Its first token has arrived: only decoding is left."""
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """Everything the prediction reads about a pool at one instant."""
+
+    name: str
+    num_replicas: int
+    max_num_seqs: int
+    """Per replica."""
+    max_num_batched_tokens: int
+    """Per replica and step."""
+    cost: StepCost
+    in_flight: tuple[InFlight, ...] = ()
+    max_queued: int = 0
+    """Sequences allowed to wait beyond the batch slots, counted per priority level:
+    a request is refused when more than this many of equal or more urgent priority
+    would wait ahead of it."""
+    cost_per_1k_tokens: float = 0.0
+    """What the pool's output costs: the cheaper of two pools that meet an SLO wins."""
+
+    @property
+    def num_slots(self) -> int:
+        """Sequences the pool runs at once, over all replicas."""
+        return self.max_num_seqs * max(1, self.num_replicas)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a new request would see on a pool."""
+
+    ttft_s: float
+    tpot_s: float
+    num_ahead: int
+    """Sequences of equal or more urgent priority already in flight."""
+
+
+def predict(pool: PoolState, priority: int, num_prompt_tokens: int) -> Prediction:
+    """TTFT and TPOT of a new request of `priority` with a `num_prompt_tokens` prompt."""
+    ahead = [s for s in pool.in_flight if s.priority <= priority]
+    replicas = max(1, pool.num_replicas)
+    batch = min(pool.max_num_seqs, math.ceil((len(pool.in_flight) + 1) / replicas))
+    tpot_s = pool.cost.step_s(batch, batch)
+    wait_s = _slot_wait_s(pool, ahead, tpot_s)
+    prefill_tokens = num_prompt_tokens + sum(s.num_prompt_tokens for s in ahead if not s.prefilled)
+    prefill_s = _prefill_s(pool, math.ceil(prefill_tokens / replicas), batch)
+    return Prediction(ttft_s=wait_s + prefill_s, tpot_s=tpot_s, num_ahead=len(ahead))
+
+
+def drain_s(pool: PoolState, num_sequences: int) -> float:
+    """Time for `num_sequences` of the pool's running sequences to finish: how long a
+    client refused for a full queue should wait before trying again."""
+    batch = min(pool.max_num_seqs, math.ceil(len(pool.in_flight) / max(1, pool.num_replicas)))
+    tpot_s = pool.cost.step_s(max(1, batch), max(1, batch))
+    return num_sequences / pool.num_slots * _mean_remaining(pool.in_flight) * tpot_s
+
+
+def _slot_wait_s(pool: PoolState, ahead: Sequence[InFlight], tpot_s: float) -> float:
+    """Until enough sequences ahead finish to free a batch slot (0 when one is free)."""
+    num_finishes = len(ahead) + 1 - pool.num_slots
+    if num_finishes <= 0:
+        return 0.0
+    return num_finishes / pool.num_slots * _mean_remaining(ahead) * tpot_s
+
+
+def _prefill_s(pool: PoolState, num_tokens: int, batch: int) -> float:
+    """Steps to compute `num_tokens` prompt tokens beside `batch - 1` decodes, on one replica."""
+    num_decodes = batch - 1
+    chunk = max(1, pool.max_num_batched_tokens - num_decodes)
+    num_steps = max(1, math.ceil(num_tokens / chunk))
+    last_chunk = num_tokens - (num_steps - 1) * chunk
+    full = pool.cost.step_s(batch, num_decodes + chunk)
+    return (num_steps - 1) * full + pool.cost.step_s(batch, num_decodes + last_chunk)
+
+
+def _mean_remaining(sequences: Sequence[InFlight]) -> float:
+    if not sequences:
+        return 0.0
+    return sum(s.num_remaining_tokens for s in sequences) / len(sequences)

@@ -1,0 +1,119 @@
+"""Admission and routing on predicted latency: where a request runs, or why it is refused.
+
+Each request goes to the cheapest of its tier's pools predicted to meet the
+tier's TTFT and TPOT targets (policies/latency.py). When none is, the tier's
+`on_slo_miss` decides:
+
+- `protect` (interactive): run wherever the first token is predicted in time,
+  even if the pool is busy with other tiers' work (the engine schedules the
+  request ahead of them); refuse only when this tier's own demand is more
+  than the deployment can serve in time.
+- `downgrade` (standard): run on the overflow pool without the SLO, and say so.
+- `queue` (batch): wait on its pool.
+
+Queue limits count only the work that would wait ahead of the request, that
+is, of equal or more urgent priority. A full queue therefore turns away the
+least urgent tier first, and an interactive request is never refused because
+batch work is queued. A refusal carries a Retry-After from the predicted time
+for the queue to drain, jittered so that refused clients do not return in step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from policies.latency import PoolState, Prediction, drain_s, predict
+from policies.tiers import Tier
+
+MIN_RETRY_AFTER_S = 1
+JITTER = 0.5
+"""Retry-After is stretched by up to this fraction, at random."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The decision for one request: a pool and why, or a refusal and when to retry."""
+
+    pool: str | None
+    """None: refused (429)."""
+    reason: str
+    """`slo` (predicted within its SLO), `overflow` (first token in time on a busy pool),
+    `downgrade`, `queue`, `shed_queue_full` or `shed_slo`."""
+    prediction: Prediction | None = None
+    retry_after_s: int | None = None
+
+    @property
+    def downgraded(self) -> bool:
+        """Runs without its tier's SLO (the response says so)."""
+        return self.reason == "downgrade"
+
+
+def place(
+    tier: Tier, num_prompt_tokens: int, pools: Mapping[str, PoolState], jitter: float = 0.0
+) -> Placement:
+    """Choose a pool for a request of `tier`; `jitter` in [0, 1) spreads Retry-After."""
+    predictions = {
+        name: predict(pools[name], tier.priority, num_prompt_tokens) for name in _candidates(tier)
+    }
+    open_pools = {n: p for n, p in predictions.items() if _queue_ahead(pools[n], p) == 0}
+    in_slo = [n for n, p in open_pools.items() if _meets(tier, p)]
+    if in_slo:
+        best = min(in_slo, key=lambda n: pools[n].cost_per_1k_tokens)
+        return Placement(best, "slo", predictions[best])
+    if tier.on_slo_miss == "protect":
+        return _protect(tier, pools, predictions, open_pools, jitter)
+    target = (
+        tier.overflow_pool if tier.on_slo_miss == "downgrade" and tier.overflow_pool else tier.pool
+    )
+    if target in open_pools:
+        reason = "downgrade" if tier.on_slo_miss == "downgrade" else "queue"
+        return Placement(target, reason, predictions[target])
+    pool, prediction = pools[target], predictions[target]
+    wait_s = drain_s(pool, _queue_ahead(pool, prediction))
+    return _refuse(prediction, "shed_queue_full", wait_s, jitter)
+
+
+def _protect(
+    tier: Tier,
+    pools: Mapping[str, PoolState],
+    predictions: Mapping[str, Prediction],
+    open_pools: Mapping[str, Prediction],
+    jitter: float,
+) -> Placement:
+    """First token in time wherever possible; else refused, with the soonest pool's drain."""
+    in_time = [n for n, p in open_pools.items() if p.ttft_s * 1000 <= tier.ttft_ms]
+    if in_time:
+        best = min(in_time, key=lambda n: predictions[n].ttft_s)
+        reason = "slo" if _meets(tier, predictions[best]) else "overflow"
+        return Placement(best, reason, predictions[best])
+    soonest = min(predictions, key=lambda n: predictions[n].ttft_s)
+    prediction = predictions[soonest]
+    pool = pools[soonest]
+    # Until this tier's own backlog has drained enough for a first token in time.
+    wait_s = max(
+        prediction.ttft_s - tier.ttft_ms / 1000, drain_s(pool, _queue_ahead(pool, prediction))
+    )
+    return _refuse(prediction, "shed_slo", wait_s, jitter)
+
+
+def _refuse(prediction: Prediction, reason: str, wait_s: float, jitter: float) -> Placement:
+    retry_after_s = max(MIN_RETRY_AFTER_S, math.ceil(wait_s * (1 + JITTER * jitter)))
+    return Placement(None, reason, prediction, retry_after_s)
+
+
+def _candidates(tier: Tier) -> list[str]:
+    return [tier.pool] + (
+        [tier.overflow_pool] if tier.overflow_pool not in (None, tier.pool) else []
+    )
+
+
+def _queue_ahead(pool: PoolState, prediction: Prediction) -> int:
+    """How far past the queue limit the request would wait (0: within it)."""
+    waiting = max(0, prediction.num_ahead + 1 - pool.num_slots)
+    return max(0, waiting - pool.max_queued)
+
+
+def _meets(tier: Tier, prediction: Prediction) -> bool:
+    return prediction.ttft_s * 1000 <= tier.ttft_ms and prediction.tpot_s * 1000 <= tier.tpot_ms

@@ -1,0 +1,128 @@
+"""The latency model and placement on synthetic pool states: pure, milliseconds."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.latency import InFlight, PoolState, StepCost, drain_s, predict
+from policies.placement import place
+from policies.tiers import Tier
+
+COST = StepCost(base_s=0.010, per_seq_s=0.001, per_token_s=0.0005)
+INTERACTIVE = Tier(
+    name="interactive", ttft_ms=400, tpot_ms=25, priority=0, pool="fast",
+    overflow_pool="bulk", on_slo_miss="protect",
+)  # fmt: skip
+STANDARD = Tier(
+    name="standard", ttft_ms=2000, tpot_ms=60, priority=1, pool="fast",
+    overflow_pool="bulk", on_slo_miss="downgrade",
+)  # fmt: skip
+BATCH = Tier(name="batch", ttft_ms=60_000, tpot_ms=500, priority=2, pool="bulk")
+
+
+def pool(name: str, in_flight=(), max_num_seqs=4, replicas=1, max_queued=4, price=1.0):
+    return PoolState(
+        name=name, num_replicas=replicas, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
+        cost=COST, in_flight=tuple(in_flight), max_queued=max_queued, cost_per_1k_tokens=price,
+    )  # fmt: skip
+
+
+def decoding(priority: int, n: int, remaining: int = 50) -> list[InFlight]:
+    return [InFlight(priority, 100, remaining, prefilled=True) for _ in range(n)]
+
+
+def test_idle_pool_predicts_one_prefill_and_a_batch_one_step():
+    p = predict(pool("fast"), priority=0, num_prompt_tokens=100)
+    assert p.ttft_s == pytest.approx(COST.step_s(1, 100))
+    assert p.tpot_s == pytest.approx(COST.step_s(1, 1))
+    assert p.num_ahead == 0
+
+
+def test_long_prompt_is_chunked_by_the_token_budget():
+    p = predict(pool("fast"), priority=0, num_prompt_tokens=600)  # 256 + 256 + 88
+    expected = 2 * COST.step_s(1, 256) + COST.step_s(1, 88)
+    assert p.ttft_s == pytest.approx(expected)
+
+
+def test_prompts_ahead_delay_the_first_token_but_less_urgent_ones_do_not():
+    waiting_batch = [InFlight(2, 500, 100, prefilled=False)]
+    urgent_view = predict(pool("bulk", waiting_batch), priority=0, num_prompt_tokens=100)
+    batch_view = predict(pool("bulk", waiting_batch), priority=2, num_prompt_tokens=100)
+    assert batch_view.ttft_s > urgent_view.ttft_s
+    assert urgent_view.num_ahead == 0 and batch_view.num_ahead == 1
+
+
+def test_a_full_batch_makes_a_new_request_wait_for_slots():
+    full = pool("fast", decoding(0, 4, remaining=40))
+    p = predict(full, priority=0, num_prompt_tokens=10)
+    free = predict(pool("fast", decoding(0, 3, remaining=40)), priority=0, num_prompt_tokens=10)
+    # One finish is needed: 1/4 of a remaining-40-token decode at batch 4.
+    assert p.ttft_s - free.ttft_s == pytest.approx(40 / 4 * COST.step_s(4, 4), rel=1e-6)
+
+
+def test_replicas_share_the_load():
+    one = predict(pool("fast", decoding(0, 8)), priority=0, num_prompt_tokens=10)
+    two = predict(pool("fast", decoding(0, 8), replicas=2, max_num_seqs=8), 0, 10)
+    assert two.tpot_s < one.tpot_s or two.ttft_s < one.ttft_s
+
+
+def test_drain_time_grows_with_the_backlog():
+    busy = pool("fast", decoding(0, 4, remaining=30))
+    assert drain_s(busy, 4) == pytest.approx(2 * drain_s(busy, 2))
+
+
+# ---- placement ----------------------------------------------------------------------
+
+
+def test_cheapest_pool_meeting_the_slo_wins():
+    pools = {"fast": pool("fast", price=3.0), "bulk": pool("bulk", max_num_seqs=64, price=1.0)}
+    decision = place(STANDARD, 50, pools)
+    assert (decision.pool, decision.reason) == ("bulk", "slo")
+
+
+def test_standard_is_downgraded_when_no_pool_meets_its_slo():
+    slow = StepCost(base_s=0.2, per_seq_s=0.0, per_token_s=0.0)  # every step 200 ms > 60 ms TPOT
+    pools = {n: PoolState(n, 1, 4, 256, slow, max_queued=4) for n in ("fast", "bulk")}
+    decision = place(STANDARD, 50, pools)
+    assert (decision.pool, decision.reason, decision.downgraded) == ("bulk", "downgrade", True)
+
+
+def test_batch_queues_until_the_queue_is_full_then_is_shed_with_retry_after():
+    in_slo = place(BATCH, 50, {"bulk": pool("bulk", decoding(2, 6), max_queued=4)})
+    assert (in_slo.pool, in_slo.reason) == ("bulk", "slo")
+    slow = pool("bulk", decoding(2, 6, remaining=20_000), max_queued=4)  # first token in ~4 min
+    queued = place(BATCH, 50, {"bulk": slow})
+    assert (queued.pool, queued.reason) == ("bulk", "queue")
+    full = place(BATCH, 50, {"bulk": pool("bulk", decoding(2, 9), max_queued=4)})
+    assert (full.pool, full.reason) == (None, "shed_queue_full")
+    assert full.retry_after_s is not None and full.retry_after_s >= 1
+
+
+def test_interactive_is_never_shed_while_batch_work_fills_the_offline_pool():
+    batch_work = decoding(2, 64 + 200, remaining=100)  # offline pool full and a long queue
+    pools = {
+        "fast": pool("fast", decoding(0, 4, remaining=500), max_queued=0),  # own pool full
+        "bulk": pool("bulk", batch_work, max_num_seqs=64, max_queued=16),
+    }
+    decision = place(INTERACTIVE, 50, pools)
+    assert decision.pool == "bulk"
+    assert decision.reason in ("slo", "overflow")
+    batch = place(BATCH, 50, pools)
+    assert batch.pool is None  # the batch tier is the one turned away
+
+
+def test_interactive_is_shed_only_when_its_own_demand_is_too_much():
+    flood = decoding(0, 4 + 64 + 100, remaining=500)
+    pools = {
+        "fast": pool("fast", flood, max_queued=4),
+        "bulk": pool("bulk", flood, max_num_seqs=64, max_queued=16),
+    }
+    decision = place(INTERACTIVE, 50, pools)
+    assert decision.pool is None and decision.reason == "shed_slo"
+    assert decision.retry_after_s is not None and decision.retry_after_s >= 1
+
+
+def test_retry_after_jitter_spreads_refused_clients():
+    pools = {"bulk": pool("bulk", decoding(2, 9, remaining=2000), max_queued=4)}
+    low, high = place(BATCH, 50, pools, jitter=0.0), place(BATCH, 50, pools, jitter=0.99)
+    assert high.retry_after_s > low.retry_after_s

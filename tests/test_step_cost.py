@@ -1,0 +1,38 @@
+"""The online step-cost fit the latency predictions read."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from engine_helpers import drain, greedy
+
+from engine.step_cost import StepCostModel
+
+
+def test_fit_recovers_a_known_cost_line():
+    model, rng = StepCostModel(), random.Random(0)
+    for _ in range(400):
+        num_seqs = rng.randint(1, 64)
+        num_tokens = num_seqs + rng.choice([0, 0, 128, 256])
+        model.observe(num_seqs, num_tokens, 0.03 + 0.004 * num_seqs + 0.0012 * num_tokens)
+    assert model.coefficients() == pytest.approx((0.03, 0.004, 0.0012), rel=0.02)
+
+
+def test_decode_only_load_keeps_predicting_right_and_stays_finite():
+    """Decode steps tie tokens to sequences: the split is unknowable, the sum must hold."""
+    model, rng = StepCostModel(), random.Random(1)
+    for _ in range(5_000):
+        n = rng.randint(1, 64)
+        model.observe(n, n, 0.02 + 0.005 * n)
+    base, per_seq, per_token = model.coefficients()
+    assert base + 32 * (per_seq + per_token) == pytest.approx(0.02 + 0.005 * 32, rel=0.01)
+
+
+def test_engine_reports_its_fitted_step_cost(engine):
+    engine.add_request("a", list(range(1, 60)), greedy(8, ignore_eos=True))
+    drain(engine)
+    stats = engine.stats()
+    assert engine.step_cost.num_observations >= 8
+    assert stats.step_base_s + stats.step_per_seq_s + stats.step_per_token_s > 0
+    assert stats.max_num_seqs == engine.config.max_num_seqs
