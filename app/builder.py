@@ -9,28 +9,39 @@ from __future__ import annotations
 from typing import Any
 
 from ray.serve import Application
-from ray.serve.config import AutoscalingConfig
 
 from app.config import TierserveConfig
+from deployments.autoscaling import autoscaling_config
 from deployments.config import PoolConfig
 from deployments.ingress import Ingress
 from deployments.pool import EngineFactory, Pool
+from deployments.request_router import request_router_config
 
 INGRESS_MAX_ONGOING_REQUESTS = 1024
 CONTROL_SLOTS = 4
 
 
 def build_app(config: TierserveConfig, engine_cls: EngineFactory | None = None) -> Application:
-    """The whole graph; `engine_cls` swaps the engine (tests pass a fake)."""
+    """The whole graph; `engine_cls` swaps the engine (tests pass a fake).
+
+    Every deployment drains for `graceful_shutdown_timeout_s` when Serve stops
+    or replaces it (Serve's own default of 20 s would cut batch-tier requests).
+    Serve has no per-deployment request timeout: the ingress enforces the
+    tiers' deadlines and `request_timeout_s` itself.
+    """
+    shutdown = {"graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s}
     # Serve's decorator is not typed for classes: mypy still sees the plain class.
     pools = {
-        p.name: Pool.options(**_pool_options(p)).bind(p.engine, engine_cls)  # type: ignore[attr-defined]
+        p.name: Pool.options(**_pool_options(p), **shutdown).bind(p.engine, engine_cls)  # type: ignore[attr-defined]
         for p in config.pools
     }
     ingress = Ingress.options(  # type: ignore[attr-defined]
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         # The ingress only awaits I/O; the gateway, not Serve's queue, bounds the load.
         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+        # Serve's logging config reaches the `ray.serve.*` loggers, the request log among them.
+        logging_config={"log_level": config.log_level},
+        **shutdown,
     )
     return ingress.bind(config, pools)
 
@@ -45,13 +56,19 @@ def app_builder(args: dict[str, Any]) -> Application:
 
 
 def _pool_options(pool: PoolConfig) -> dict[str, object]:
-    """Serve deployment options of a pool: its name, replicas and resources."""
+    """Serve deployment options of a pool: its name, replicas, resources and replica choice."""
     scaling: dict[str, object] = {"num_replicas": pool.num_replicas}
     if pool.autoscaling is not None:
-        scaling = {"autoscaling_config": AutoscalingConfig(**pool.autoscaling.model_dump())}
-    return {
+        scaling = {
+            "autoscaling_config": autoscaling_config(pool.autoscaling, pool.engine.max_num_seqs)
+        }
+    options: dict[str, object] = {
         "name": f"pool-{pool.name}",
-        "ray_actor_options": {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus},
+        "ray_actor_options": {
+            "num_cpus": pool.num_cpus,
+            "num_gpus": pool.num_gpus,
+            "resources": dict(pool.resources),
+        },
         # The ingress writes one log line per request; per-call lines would mostly be stats polls.
         "logging_config": {"enable_access_log": False},
         # Admit the whole running batch plus the allowed queue, so waiting requests
@@ -60,3 +77,6 @@ def _pool_options(pool: PoolConfig) -> dict[str, object]:
         "max_ongoing_requests": pool.engine.max_num_seqs + pool.max_queued_requests + CONTROL_SLOTS,
         **scaling,
     }
+    if pool.router.enabled:
+        options["request_router_config"] = request_router_config(pool.router, pool.engine)
+    return options

@@ -7,10 +7,10 @@ The same models validate `applications[].args` of a Serve config file
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from deployments.config import IngressConfig
 
@@ -19,6 +19,20 @@ class TierserveConfig(IngressConfig):
     """Everything the Serve app is built from."""
 
     ingress_num_cpus: float = Field(default=0.0, ge=0)
+    graceful_shutdown_timeout_s: float = Field(default=900.0, gt=0)
+    """How long a replica being stopped or replaced drains its requests: at least
+    request_timeout_s, so a downscale never cuts a request still in its time."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """The ingress's Serve log level; INFO writes one line per request."""
+
+    @model_validator(mode="after")
+    def _check_drain(self) -> TierserveConfig:
+        if self.graceful_shutdown_timeout_s < self.request_timeout_s:
+            raise ValueError(
+                f"graceful_shutdown_timeout_s ({self.graceful_shutdown_timeout_s}) must be at "
+                f"least request_timeout_s ({self.request_timeout_s})"
+            )
+        return self
 
 
 def load_serve_config(path: str | Path) -> dict[str, Any]:

@@ -8,6 +8,9 @@ dataclass: one definition, one set of checks.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import EngineConfig
@@ -21,11 +24,60 @@ class _Strict(BaseModel):
 
 
 class AutoscalingSettings(_Strict):
-    """The subset of Serve's autoscaling config a pool exposes."""
+    """How a pool scales: replica bounds, per-replica engine-load targets, Serve's timing.
+
+    The policy (deployments/autoscaling.py, policies/scaling.py) sizes the pool
+    so each replica carries at most a full batch plus the target queue, and at
+    most the target KV usage; Serve applies the delays and bounds.
+    """
 
     min_replicas: int = Field(default=1, ge=1)
     max_replicas: int = Field(default=1, ge=1)
+    target_num_waiting_per_replica: float = Field(default=2, ge=0)
+    """Sequences allowed to queue in each replica's engine beyond its full batch."""
+    target_kv_cache_usage: float = Field(default=0.8, gt=0, le=1)
+    """KV usage each replica should stay under, leaving room before the engine preempts."""
+    upscale_delay_s: float = Field(default=10.0, ge=0)
+    """How long the policy must keep asking for more replicas before Serve adds them."""
+    downscale_delay_s: float = Field(default=120.0, ge=0)
+    """How long the policy must keep asking for fewer replicas before Serve removes one."""
+    metrics_interval_s: float = Field(default=2.0, gt=0)
+    """How often each replica samples and reports its engine load (Serve's default is 10 s)."""
+    look_back_period_s: float = Field(default=10.0, gt=0)
+    """The window each replica's reported load is averaged over."""
     target_ongoing_requests: float = Field(default=2, gt=0)
+    """Serve's own target for its default policy: unused by the engine-load policy (kept so
+    existing configs load)."""
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> AutoscalingSettings:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"max_replicas ({self.max_replicas}) is below min_replicas "
+                f"({self.min_replicas}); raise max_replicas or lower min_replicas"
+            )
+        return self
+
+
+class RouterSettings(_Strict):
+    """How a pool's request router picks a replica (deployments/request_router.py)."""
+
+    enabled: bool = False
+    """Off by default until a known hang is fixed: with it on, a completions request of
+    four sequences on one replica waited until its deadline in tests/test_serving_fake.py.
+    Off, Serve's default power-of-two router picks the replica."""
+
+    stats_period_s: float = Field(default=1.0, gt=0)
+    """How often Serve reads each replica's engine load for routing (Serve's default is 10 s)."""
+    kv_cache_full: float = Field(default=0.95, gt=0, le=1)
+    """KV usage at which a replica counts as full even with free batch slots."""
+    affinity_blocks: int = Field(default=4, ge=0)
+    """Leading KV blocks of a prompt that key prefix-cache affinity; 0 turns affinity off."""
+    affinity_max_imbalance: float = Field(default=0.5, ge=0)
+    """How much busier (fraction of batch or KV in use) than the least loaded replica the
+    replica holding a prompt's prefix may be and still get the prompt."""
+    max_prefixes: int = Field(default=4096, ge=1)
+    """Prefixes each router remembers the replica of (least recently used dropped first)."""
 
 
 class PoolConfig(_Strict):
@@ -38,6 +90,8 @@ class PoolConfig(_Strict):
     num_replicas: int = Field(default=1, ge=1)
     """Fixed replica count; ignored when `autoscaling` is set."""
     autoscaling: AutoscalingSettings | None = None
+    router: RouterSettings = RouterSettings()
+    """Replica choice inside the pool: load, KV headroom and prefix-cache affinity."""
     num_cpus: float = Field(default=0.0, ge=0)
     """CPUs reserved per replica in Ray; fractional or 0 lets small machines fit every pool."""
     num_gpus: float = Field(default=0.0, ge=0)
@@ -49,32 +103,121 @@ class PoolConfig(_Strict):
     """`Retry-After` sent with a 429 when this pool sheds load."""
     price_per_replica_hour: float = Field(default=0.0, ge=0)
     """Used for the cost-per-1k-output-tokens metric."""
+    cost_per_1k_tokens: float | None = Field(default=None, ge=0)
+    """Output cost per 1k tokens at the chosen batch, written by load/sweep.py; placement
+    sends a request to the cheapest pool predicted to meet its SLO."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each replica needs (e.g. {"pool_offline": 1}): pins the pool to
+    the nodes or worker group that carry them."""
 
     @property
     def max_replicas(self) -> int:
+        """The most replicas this pool may run."""
         return self.autoscaling.max_replicas if self.autoscaling else self.num_replicas
 
+    @property
+    def estimated_cost_per_1k_tokens(self) -> float:
+        """`cost_per_1k_tokens` as measured by load/sweep.py, else a proxy that ranks pools
+        the same way: the price of one batch slot for an hour."""
+        if self.cost_per_1k_tokens is not None:
+            return self.cost_per_1k_tokens
+        return self.price_per_replica_hour / self.engine.max_num_seqs
 
-class ApiKeyConfig(_Strict):
-    """A client key, its default tier and its rate limits (None means unlimited)."""
 
-    key: str
+class CallerPolicy(_Strict):
+    """What a caller may do: its default tier, the tiers it may use and its rate limits
+    (None means unlimited). Anonymous callers get one of these; keys extend it."""
+
     name: str
-    """Shown in logs instead of the key itself."""
+    """Shown in logs and errors instead of the key itself."""
     default_tier: str | None = None
+    allowed_tiers: tuple[str, ...] | None = None
+    """Tiers this caller may ask for (403 otherwise); None allows every tier."""
     requests_per_minute: int | None = Field(default=None, ge=1)
+    """Counts sequences (prompts x n), not HTTP requests."""
     tokens_per_minute: int | None = Field(default=None, ge=1)
-    """Counts prompt tokens plus the requested max_tokens."""
+    """Counts prompt tokens plus the requested max_tokens of every sequence."""
+
+    @model_validator(mode="after")
+    def _check_default_is_allowed(self) -> CallerPolicy:
+        if self.default_tier is not None and not self.may_use(self.default_tier):
+            raise ValueError(
+                f"{self.name!r}: default_tier {self.default_tier!r} "
+                f"is not in allowed_tiers {list(self.allowed_tiers or ())}"
+            )
+        return self
+
+    def may_use(self, tier: str) -> bool:
+        """Whether this caller may ask for `tier`."""
+        return self.allowed_tiers is None or tier in self.allowed_tiers
+
+
+class ApiKeyConfig(CallerPolicy):
+    """A client key and its policy. The key comes from exactly one source: inline `key`,
+    the environment variable `key_env`, or the file `key_file` (a mounted Kubernetes
+    Secret). Env vars and files are read by the ingress replica, where they exist."""
+
+    key: str | None = Field(default=None, repr=False)
+    key_env: str | None = None
+    key_file: str | None = None
+
+    @model_validator(mode="after")
+    def _check_source(self) -> ApiKeyConfig:
+        sources = [s for s in (self.key, self.key_env, self.key_file) if s is not None]
+        if len(sources) != 1:
+            raise ValueError(f"API key {self.name!r} needs exactly one of key, key_env, key_file")
+        if self.key is not None and not self.key.strip():
+            raise ValueError(f"API key {self.name!r} is empty")
+        return self
+
+    def read_key(self) -> str:
+        """The key's text from its source; ValueError when the source is missing or empty."""
+        if self.key is not None:
+            text = self.key
+        elif self.key_env is not None:
+            text = os.environ.get(self.key_env, "")
+        else:
+            path = Path(self.key_file or "")
+            if not path.is_file():
+                raise ValueError(f"API key {self.name!r}: key_file {str(path)!r} does not exist")
+            text = path.read_text()
+        text = text.strip()  # Secret files and env files often end with a newline
+        if not text:
+            source = "key" if self.key is not None else self.key_env or self.key_file
+            raise ValueError(f"API key {self.name!r} is empty (source: {source})")
+        return text
 
 
 class GatewayConfig(_Strict):
     """Authentication and per-key limits at the ingress."""
 
     require_api_key: bool = False
-    """Off for local runs; when on, unknown or missing keys get a 401."""
+    """Off for local runs; when on, unknown or missing keys get a 401 on every route
+    but /health."""
     api_keys: tuple[ApiKeyConfig, ...] = ()
-    anonymous: ApiKeyConfig = ApiKeyConfig(key="", name="anonymous")
-    """Limits and default tier for requests without a known key when keys are optional."""
+    anonymous: CallerPolicy = CallerPolicy(name="anonymous")
+    """Limits and tiers for requests without a known key when keys are optional."""
+
+    @model_validator(mode="after")
+    def _check_names(self) -> GatewayConfig:
+        _require_unique("API key", [k.name for k in self.api_keys])
+        return self
+
+
+class RequestLimits(_Strict):
+    """The most one request may ask for: bounds that keep one caller from stalling the rest."""
+
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    """Larger bodies get a 413 before they are parsed."""
+    max_json_depth: int = Field(default=32, ge=4)
+    """Deeper nesting is refused with a 400 (a few levels suffice for any real request)."""
+    max_prompts: int = Field(default=32, ge=1)
+    """Prompts in one text-completion request."""
+    max_sequences: int = Field(default=64, ge=1)
+    """n x prompts: the sequences one request may start."""
+    max_stop_strings: int = Field(default=8, ge=0)
+    max_stop_chars: int = Field(default=256, ge=1)
+    """Length of each stop string."""
 
 
 class IngressConfig(_Strict):
@@ -85,7 +228,10 @@ class IngressConfig(_Strict):
     default_tier: str = "standard"
     tiers: tuple[Tier, ...]
     pools: tuple[PoolConfig, ...]
-    gateway: GatewayConfig = GatewayConfig()
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    limits: RequestLimits = RequestLimits()
+    request_timeout_s: float = Field(default=900.0, gt=0)
+    """No request runs longer than this, whatever its tier's deadline (408 past it)."""
     stats_poll_interval_s: float = Field(default=1.0, gt=0)
     """How often the ingress reads each pool's engine stats."""
     log_prompts: bool = False
@@ -103,17 +249,29 @@ class IngressConfig(_Strict):
                     raise ValueError(
                         f"tier {tier.name!r} names pool {pool!r}; pools: {sorted(pools)}"
                     )
-        defaults = [self.default_tier, self.gateway.anonymous.default_tier]
-        defaults += [k.default_tier for k in self.gateway.api_keys]
+        keys = [self.gateway.anonymous, *self.gateway.api_keys]
+        defaults = [self.default_tier, *(k.default_tier for k in keys)]
         for name in defaults:
             if name is not None and name not in tiers:
                 raise ValueError(f"default tier {name!r} is not a tier; tiers: {sorted(tiers)}")
+        for key in keys:
+            unknown = sorted(set(key.allowed_tiers or ()) - tiers)
+            if unknown:
+                raise ValueError(f"API key {key.name!r} allows unknown tiers {unknown}")
+        for tier in self.tiers:
+            if tier.deadline_s is not None and tier.deadline_s > self.request_timeout_s:
+                raise ValueError(
+                    f"tier {tier.name!r} deadline_s {tier.deadline_s} exceeds "
+                    f"request_timeout_s {self.request_timeout_s}"
+                )
         return self
 
     def tier(self, name: str) -> Tier:
+        """The tier called `name` (names are checked at load)."""
         return next(t for t in self.tiers if t.name == name)
 
     def pool(self, name: str) -> PoolConfig:
+        """The pool called `name` (names are checked at load)."""
         return next(p for p in self.pools if p.name == name)
 
 

@@ -27,6 +27,7 @@ class ApiError(Exception):
         self.retry_after_s = retry_after_s
 
     def response(self) -> JSONResponse:
+        """The error as OpenAI's JSON body with its status (and Retry-After on a 429)."""
         headers = {}
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(math.ceil(max(1.0, self.retry_after_s)))
@@ -35,11 +36,42 @@ class ApiError(Exception):
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    """400: the request itself is wrong; the message names the field."""
     return ApiError(400, message, param=param, code=code)
 
 
 def too_many_requests(message: str, retry_after_s: float) -> ApiError:
+    """429 with Retry-After: the same request may succeed later."""
     return ApiError(429, message, type_="rate_limit_exceeded", retry_after_s=retry_after_s)
+
+
+def forbidden(message: str, param: str | None = None) -> ApiError:
+    """403: the key is valid but may not do this."""
+    return ApiError(403, message, type_="permission_error", param=param)
+
+
+def payload_too_large(max_bytes: int) -> ApiError:
+    """413: the body is over the configured limit, refused before it is parsed."""
+    message = f"The request body is larger than the limit of {max_bytes} bytes."
+    return ApiError(413, message, code="request_too_large")
+
+
+def deadline_exceeded(deadline_s: float) -> ApiError:
+    """408: the request ran past its tier's deadline and was aborted."""
+    message = f"The request did not finish within its deadline of {deadline_s:g} s and was aborted."
+    return ApiError(408, message, type_="timeout_error", code="deadline_exceeded")
+
+
+def replica_unavailable() -> ApiError:
+    """503: the pool replica serving the request died; Serve replaces it, so a retry works."""
+    message = "The replica serving this request failed; please retry."
+    return ApiError(503, message, type_="server_error", code="replica_unavailable", retry_after_s=1)
+
+
+def internal_error(request_id: str) -> ApiError:
+    """500 for a fault of ours: no internals, only the id to find the logged traceback."""
+    message = f"The server had an error while processing the request (request id {request_id})."
+    return ApiError(500, message, type_="server_error", code="internal_error")
 
 
 def context_length_exceeded(

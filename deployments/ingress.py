@@ -1,32 +1,46 @@
 """The ingress deployment: OpenAI HTTP API in, a pool chosen per request, tokens out as SSE.
 
 Thin glue: who may call is the gateway's, which pool is policies/', the
-OpenAI shapes are openai_api's, metrics are telemetry's.
+OpenAI shapes are openai_api's, metrics are telemetry's. Every answer is
+OpenAI-format JSON (or, once a stream has begun, an SSE error event then
+`[DONE]`): refusals carry their status, and anything unexpected is a 500 with
+the request id while the traceback goes to the replica log.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import math
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, cast
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from ray import serve
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments import schemas
-from deployments.config import ApiKeyConfig, IngressConfig
-from deployments.errors import ApiError, bad_request, context_length_exceeded, too_many_requests
+from deployments.config import CallerPolicy, IngressConfig
+from deployments.errors import (
+    ApiError,
+    bad_request,
+    context_length_exceeded,
+    deadline_exceeded,
+    internal_error,
+    replica_unavailable,
+    too_many_requests,
+)
 from deployments.gateway import Gateway
+from deployments.limits import check_limits
 from deployments.openai_api import (
     ChatEndpoint,
     CompletionEndpoint,
@@ -35,18 +49,37 @@ from deployments.openai_api import (
     sampling_params,
 )
 from deployments.pool import ModelInfo, PoolRequest
-from deployments.pool_monitor import PoolMonitor
+from deployments.pool_monitor import PoolMonitor, TrackedSequence
+from deployments.request_body import decode_json_object, read_body
 from deployments.streaming import ChoiceProgress, merge_streams, usage
 from deployments.telemetry import RequestRecord, Telemetry
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from policies.admission import should_shed
-from policies.routing import RequestFeatures, choose_pool
+from engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from policies.placement import Placement, RequestShape, place
 from policies.tiers import Tier, resolve_tier
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[Request], Awaitable[Response]]
+
+@dataclass(frozen=True)
+class Call:
+    """One HTTP call as a handler sees it: its id, arrival time and authenticated caller."""
+
+    request_id: str
+    start_s: float
+    """Monotonic time (the event loop's clock) the call reached the ingress."""
+    caller: CallerPolicy
+
+
+Handler = Callable[[Request, Call], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class Route:
+    """A handler and whether it answers without a key (only /health does)."""
+
+    handler: Handler
+    public: bool = False
 
 
 @dataclass
@@ -54,7 +87,7 @@ class Job:
     """An accepted request: where it runs, what it samples, and each choice's progress."""
 
     request_id: str
-    key: ApiKeyConfig
+    key: CallerPolicy
     tier: Tier
     pool: str
     endpoint: Endpoint
@@ -62,6 +95,12 @@ class Job:
     prompts: list[list[int]]
     params: SamplingParams
     choices: list[ChoiceProgress]
+    time_limit_s: float
+    """The tier's deadline (or the app's request timeout), from arrival."""
+    deadline_s: float
+    """Monotonic time past which the request is aborted."""
+    placement: Placement
+    """Why this pool: the predicted latency and whether the request was downgraded."""
 
     @property
     def num_reserved_tokens(self) -> int:
@@ -73,7 +112,7 @@ class Job:
         """One engine request per choice; `n` copies of a seeded prompt get distinct seeds."""
         requests = []
         for index, choice in enumerate(self.choices):
-            seed = None if self.params.seed is None else self.params.seed + index
+            seed = None if self.params.seed is None else _nth_seed(self.params.seed, index)
             requests.append(
                 PoolRequest(
                     request_id=f"{self.request_id}-{index}",
@@ -87,6 +126,9 @@ class Job:
 
 @serve.deployment
 class Ingress:
+    """The OpenAI-compatible front door: authenticates, validates, picks a tier and a pool,
+    streams the pool's tokens back, and answers every failure in OpenAI's error format."""
+
     # Serve awaits an async constructor: the pools' tokenizer is fetched before traffic.
     async def __init__(  # type: ignore[misc]
         self, config: IngressConfig, pools: dict[str, DeploymentHandle]
@@ -104,48 +146,71 @@ class Ingress:
         self._telemetry = Telemetry(config.model_name, pool_configs, self._monitor)
         await self._monitor.poll_once()
         self._poller = asyncio.create_task(self._monitor.poll_forever())
-        self._routes: dict[tuple[str, str], Handler] = {
-            ("POST", "/v1/chat/completions"): lambda r: self._complete(r, ChatEndpoint),
-            ("POST", "/v1/completions"): lambda r: self._complete(r, CompletionEndpoint),
-            ("GET", "/v1/models"): self._list_models,
-            ("GET", "/health"): self._health,
-            ("GET", "/metrics"): self._metrics,
+        self._routes: dict[tuple[str, str], Route] = {
+            ("POST", "/v1/chat/completions"): Route(partial(self._complete, endpoint=ChatEndpoint)),
+            ("POST", "/v1/completions"): Route(
+                partial(self._complete, endpoint=CompletionEndpoint)
+            ),
+            ("GET", "/v1/models"): Route(self._list_models),
+            ("GET", "/health"): Route(self._health, public=True),
+            ("GET", "/metrics"): Route(self._metrics),
         }
 
     async def __call__(self, request: Request) -> Response:
-        handler = self._routes.get((request.method, request.url.path))
+        """Answer one HTTP call; whatever happens, the answer is OpenAI-format JSON or SSE
+        and names the request id (`x-tierserve-request-id`) the replica log knows it by."""
+        request_id = uuid.uuid4().hex
         try:
-            if handler is None:
-                raise ApiError(
-                    404, f"No route {request.method} {request.url.path}", code="not_found"
-                )
-            return await handler(request)
+            response = await self._dispatch(request, request_id)
         except ApiError as error:
-            return error.response()
+            response = error.response()
+        except Exception:
+            log.exception("request %s failed", request_id)
+            response = internal_error(request_id).response()
+        response.headers["x-tierserve-request-id"] = request_id
+        return response
 
-    async def _list_models(self, request: Request) -> Response:
+    async def _dispatch(self, request: Request, request_id: str) -> Response:
+        start_s = time.monotonic()
+        route = self._routes.get((request.method, request.url.path))
+        if route is None:
+            raise ApiError(404, f"No route {request.method} {request.url.path}", code="not_found")
+        caller = (
+            self._config.gateway.anonymous
+            if route.public
+            else self._gateway.authenticate(request.headers.get("authorization"))
+        )
+        return await route.handler(request, Call(request_id, start_s, caller))
+
+    async def _list_models(self, request: Request, call: Call) -> Response:
         card = schemas.ModelCard(id=self._config.model_name, created=0)
         return JSONResponse(schemas.ModelList(data=[card]).model_dump(mode="json"))
 
-    async def _health(self, request: Request) -> Response:
+    async def _health(self, request: Request, call: Call) -> Response:
         """503 while some pool has no live replica, so a load balancer routes elsewhere."""
         down = [name for name in self._pools if not self._monitor.replica_stats(name)]
         if down:
             return JSONResponse({"status": "degraded", "pools_down": down}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    async def _metrics(self, request: Request) -> Response:
+    async def _metrics(self, request: Request, call: Call) -> Response:
         return Response(self._telemetry.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def _complete(self, request: Request, endpoint_cls: type[Endpoint]) -> Response:
-        start_s = time.monotonic()
-        key = self._gateway.authenticate(request.headers.get("authorization"))
-        body = parse_body(endpoint_cls.schema, await _read_json(request))
+    async def _complete(self, request: Request, call: Call, endpoint: type[Endpoint]) -> Response:
+        limits = self._config.limits
+        raw = await read_body(request, limits.max_body_bytes)
+        # Parsing, templating and tokenizing a large body take CPU time: off the event
+        # loop, so one big prompt does not stall every other stream.
+        document = await asyncio.to_thread(decode_json_object, raw, limits.max_json_depth)
+        body = parse_body(endpoint.schema, document)
         if body.model != self._config.model_name:
             message = f"The model {body.model!r} does not exist."
             raise ApiError(404, message, code="model_not_found", param="model")
-        job = self._plan(request, body, key, endpoint_cls, start_s)
-        self._gateway.charge(key, job.num_reserved_tokens)
+        check_limits(body, limits)
+        tier = self._tier(request, body, call.caller)
+        prompts = await asyncio.to_thread(endpoint.prompt_ids, body, self._tokenizer)
+        job = self._plan(call, body, tier, prompts, endpoint)
+        self._gateway.charge(call.caller, len(job.choices), job.num_reserved_tokens)
         events = self._run(job)
         headers = self._headers(job)
         if not body.stream:
@@ -162,36 +227,38 @@ class Ingress:
 
     def _plan(
         self,
-        request: Request,
+        call: Call,
         body: schemas.SamplingFields,
-        key: ApiKeyConfig,
+        tier: Tier,
+        prompts: list[list[int]],
         endpoint_cls: type[Endpoint],
-        start_s: float,
     ) -> Job:
-        """Tier, prompts, pool and sampling for a request, or the 4xx that refuses it."""
-        tier = self._tier(request, body, key)
-        prompts = endpoint_cls.prompt_ids(body, self._tokenizer)
+        """Pool, sampling and deadline for a request, or the 4xx that refuses it."""
         if not all(prompts):
             raise bad_request("prompt must not be empty", param="prompt")
+        num_sequences = len(prompts) * body.n
         longest = max(len(p) for p in prompts)
-        loads = self._monitor.loads()
-        pool = choose_pool(tier, RequestFeatures(longest, body.requested_max_tokens or 0), loads)
-        if should_shed(tier, loads[pool]):
-            retry_after_s = self._config.pool(pool).retry_after_s
+        shape = RequestShape(longest, body.requested_max_tokens or 0, num_sequences)
+        placement = place(tier, shape, self._monitor.states(), jitter=random.random())
+        self._telemetry.count_decision(tier.name, placement.reason, placement.pool)
+        if placement.pool is None:
             raise too_many_requests(
-                f"Pool {pool!r} is at capacity for tier {tier.name!r}.", retry_after_s
+                f"Tier {tier.name!r} is over capacity ({placement.reason}).",
+                placement.retry_after_s or 1,
             )
+        pool = placement.pool
         max_tokens = self._max_tokens(body.requested_max_tokens, longest, pool)
         prefix = "chatcmpl" if endpoint_cls is ChatEndpoint else "cmpl"
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        request_id = f"{prefix}-{call.request_id}"
         choices = [
-            ChoiceProgress(start_s=start_s, prompt_index=i)
+            ChoiceProgress(start_s=call.start_s, prompt_index=i)
             for i in range(len(prompts))
             for _ in range(body.n)
         ]
+        time_limit_s = min(tier.deadline_s or math.inf, self._config.request_timeout_s)
         return Job(
             request_id=request_id,
-            key=key,
+            key=call.caller,
             tier=tier,
             pool=pool,
             endpoint=endpoint_cls(request_id, int(time.time()), body.model),
@@ -199,17 +266,22 @@ class Ingress:
             prompts=prompts,
             params=sampling_params(body, max_tokens),
             choices=choices,
+            time_limit_s=time_limit_s,
+            deadline_s=call.start_s + time_limit_s,
+            placement=placement,
         )
 
-    def _tier(self, request: Request, body: schemas.SamplingFields, key: ApiKeyConfig) -> Tier:
+    def _tier(self, request: Request, body: schemas.SamplingFields, caller: CallerPolicy) -> Tier:
+        """The tier asked for (header, body, key default), if it exists and the key may use it."""
         names = [t.name for t in self._config.tiers]
         header = request.headers.get("x-sla-tier")
         try:
             name = resolve_tier(
-                header, body.tier, key.default_tier, self._config.default_tier, names
+                header, body.tier, caller.default_tier, self._config.default_tier, names
             )
         except ValueError as error:
             raise bad_request(str(error), param="tier") from None
+        self._gateway.authorize_tier(caller, name)
         return self._config.tier(name)
 
     def _max_tokens(self, requested: int | None, num_prompt_tokens: int, pool: str) -> int:
@@ -223,7 +295,8 @@ class Ingress:
         return max_tokens
 
     async def _run(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Every choice's deltas as they arrive; leaving early cancels them in the pool."""
+        """Every choice's deltas as they arrive; leaving early (the client left, the deadline
+        passed, a replica died) cancels them in the pool, which frees their KV blocks."""
         handle = self._pools[job.pool].generate.options(stream=True)
         # With stream=True every call answers a generator; the stub can't tell.
         streams = [
@@ -231,15 +304,27 @@ class Ingress:
             for pool_request in job.pool_requests()
         ]
         status = "aborted"
-        with self._monitor.in_flight(job.pool, len(streams)):
+        sequences = [
+            TrackedSequence(job.tier.priority, len(r.prompt_token_ids), r.params.max_tokens)
+            for r in job.pool_requests()
+        ]
+        with self._monitor.track(job.pool, sequences):
             try:
-                async for index, output in merge_streams(streams):
+                async for index, output in merge_streams(streams, job.deadline_s):
                     job.choices[index].add(output, time.monotonic())
+                    sequences[index].num_output_tokens = output.num_output_tokens
                     yield index, output
                 status = "ok"
+            except TimeoutError:
+                status = "timeout"
+                raise deadline_exceeded(job.time_limit_s) from None
             except ValueError as error:  # the engine refused the input
                 status = "error"
                 raise bad_request(str(_cause(error))) from None
+            except RayActorError as error:  # the replica died (Serve starts another)
+                status = "error"
+                log.warning("request %s lost its replica: %s", job.request_id, error)
+                raise replica_unavailable() from None
             except Exception:
                 status = "error"
                 raise
@@ -251,7 +336,8 @@ class Ingress:
     async def _sse(
         self, job: Job, events: AsyncIterator[tuple[int, RequestOutput]]
     ) -> AsyncIterator[str]:
-        """OpenAI's chunk stream; an error mid-stream is sent as an event, never a hang."""
+        """OpenAI's chunk stream; an error mid-stream (deadline, dead replica, a fault of
+        ours) is sent as an error event then `[DONE]`, never a hang or a cut stream."""
         endpoint = job.endpoint
         try:
             for chunk in endpoint.opening(len(job.choices)):
@@ -264,21 +350,24 @@ class Ingress:
                 yield _event(endpoint.usage_chunk(usage(job.choices)))
         except ApiError as error:
             yield _event(schemas.ErrorResponse(error=error.detail))
-        except Exception as error:
+        except Exception:
             log.exception("stream %s failed", job.request_id)
-            detail = schemas.ErrorDetail(
-                message=f"generation failed: {_cause(error)}", type="server_error"
-            )
-            yield _event(schemas.ErrorResponse(error=detail))
+            yield _event(schemas.ErrorResponse(error=internal_error(job.request_id).detail))
         yield "data: [DONE]\n\n"
 
     def _headers(self, job: Job) -> dict[str, str]:
         """Every response names where it went."""
-        return {
+        headers = {
             "x-tierserve-tier": job.tier.name,
             "x-tierserve-pool": job.pool,
             "x-tierserve-model": self._config.pool(job.pool).model_name,
         }
+        prediction = job.placement.prediction
+        if prediction is not None:
+            headers["x-tierserve-predicted-ttft-ms"] = f"{prediction.ttft_s * 1000:.0f}"
+        if job.placement.downgraded:
+            headers["x-tierserve-downgraded"] = "true"
+        return headers
 
     def _record(self, job: Job, status: str) -> RequestRecord:
         prompt_text = self._tokenizer.decode(job.prompts[0]) if self._config.log_prompts else None
@@ -294,11 +383,9 @@ class Ingress:
         )
 
 
-async def _read_json(request: Request) -> Any:
-    try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise bad_request("The request body is not valid JSON.") from None
+def _nth_seed(seed: int, index: int) -> int:
+    """`seed + index`, wrapped to stay a 64-bit seed (a seed near the top with n > 1)."""
+    return SEED_MIN + (seed + index - SEED_MIN) % (SEED_MAX - SEED_MIN + 1)
 
 
 def _event(chunk: BaseModel) -> str:

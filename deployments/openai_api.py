@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from jinja2 import TemplateError
 from pydantic import BaseModel, ValidationError
 
 from deployments import schemas as s
@@ -36,11 +37,11 @@ def sampling_params(body: s.SamplingFields, max_tokens: int) -> SamplingParams:
             max_tokens=max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
-            top_k=body.top_k,
+            top_k=max(body.top_k, 0),  # -1 is the other common spelling of "off"
             min_tokens=body.min_tokens,
             repetition_penalty=body.repetition_penalty,
             seed=body.seed,
-            stop=tuple(body.stop_strings),
+            stop=tuple(body.stop),
             ignore_eos=body.ignore_eos,
         )
     except ValueError as error:
@@ -69,22 +70,32 @@ class Endpoint(ABC):
         return []
 
     @abstractmethod
-    def delta(self, index: int, text: str, finish_reason: str | None) -> BaseModel: ...
+    def delta(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
+        """A stream chunk carrying new text (and the finish reason, at the end) of one choice."""
 
     @abstractmethod
-    def usage_chunk(self, usage: s.Usage) -> BaseModel: ...
+    def usage_chunk(self, usage: s.Usage) -> BaseModel:
+        """The stream's final chunk carrying usage, when the client asked for it."""
 
     @abstractmethod
-    def response(self, choices: list[ChoiceProgress]) -> BaseModel: ...
+    def response(self, choices: list[ChoiceProgress]) -> BaseModel:
+        """The whole response of a non-streamed request."""
 
 
 class ChatEndpoint(Endpoint):
+    """`/v1/chat/completions`: a conversation through the chat template."""
+
     schema = s.ChatCompletionRequest
 
     @staticmethod
     def prompt_ids(body: s.ChatCompletionRequest, tokenizer: Any) -> list[list[int]]:
+        """The conversation through the model's chat template; a template that refuses
+        the conversation (its `raise_exception`) is the client's 400."""
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
-        return [chat_prompt_ids(tokenizer, messages)]
+        try:
+            return [chat_prompt_ids(tokenizer, messages)]
+        except TemplateError as error:
+            raise bad_request(f"messages: {error}", "messages") from None
 
     def opening(self, num_choices: int) -> list[BaseModel]:
         """OpenAI names the role in each choice's first delta."""
@@ -94,15 +105,18 @@ class ChatEndpoint(Endpoint):
         ]
 
     def delta(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
+        """A `chat.completion.chunk` with the choice's new content."""
         delta = s.ChatDelta(content=text)
         return self._chunk(s.ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason))
 
     def usage_chunk(self, usage: s.Usage) -> BaseModel:
+        """A chunk with no choices and the usage."""
         return s.ChatCompletionChunk(
             id=self.response_id, created=self.created, model=self.model, choices=[], usage=usage
         )
 
     def response(self, choices: list[ChoiceProgress]) -> BaseModel:
+        """A `chat.completion` with every choice and the usage."""
         return s.ChatCompletionResponse(
             id=self.response_id,
             created=self.created,
@@ -125,20 +139,26 @@ class ChatEndpoint(Endpoint):
 
 
 class CompletionEndpoint(Endpoint):
+    """`/v1/completions`: raw prompts, text choices."""
+
     schema = s.CompletionRequest
 
     @staticmethod
     def prompt_ids(body: s.CompletionRequest, tokenizer: Any) -> list[list[int]]:
-        return [tokenizer.encode(prompt) for prompt in body.prompts]
+        """Each prompt tokenized as is (no template)."""
+        return [tokenizer.encode(prompt) for prompt in body.prompt]
 
     def delta(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
+        """A `text_completion` chunk with the choice's new text."""
         choice = s.CompletionChoice(index=index, text=text, finish_reason=finish_reason)
         return self._body([choice])
 
     def usage_chunk(self, usage: s.Usage) -> BaseModel:
+        """A chunk with no choices and the usage."""
         return self._body([], usage)
 
     def response(self, choices: list[ChoiceProgress]) -> BaseModel:
+        """A `text_completion` with every choice and the usage."""
         return self._body(
             [
                 s.CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason)

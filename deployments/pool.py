@@ -31,13 +31,17 @@ class Engine(Protocol):
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]: ...
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's output deltas; closing the stream aborts the request."""
 
-    def abort(self, request_id: str) -> None: ...
+    def abort(self, request_id: str) -> None:
+        """Free everything the request holds; unknown ids are ignored."""
 
-    def stats(self) -> EngineStats: ...
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's load and counters."""
 
-    def is_alive(self) -> bool: ...
+    def is_alive(self) -> bool:
+        """False once the step loop has died or stalled."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class ReplicaStats:
+    """One replica's engine stats, tagged with the replica so the ingress can count live ones."""
+
     replica_id: str
     engine: EngineStats
 
@@ -89,6 +95,7 @@ class Pool:
 
             configure_process(config)
         self._engine = (engine_cls or _default_engine_cls())(config)
+        self._max_num_seqs = config.max_num_seqs
 
     async def generate(self, request: PoolRequest) -> AsyncIterator[RequestOutput]:
         """Stream the engine's deltas; leaving early (cancel, disconnect) aborts in the engine.
@@ -105,9 +112,11 @@ class Pool:
                 yield output
 
     def model_info(self) -> ModelInfo:
+        """The tokenizer and context length the ingress plans requests with."""
         return ModelInfo(tokenizer=self._engine.tokenizer, max_model_len=self._engine.max_model_len)
 
     def stats(self) -> ReplicaStats:
+        """This replica's engine stats, for the ingress's pool monitor."""
         replica_id = serve.get_replica_context().replica_id.unique_id
         return ReplicaStats(replica_id=replica_id, engine=self._engine.stats())
 
@@ -117,8 +126,12 @@ class Pool:
             raise RuntimeError("engine step loop is not running")
 
     def record_routing_stats(self) -> dict[str, float]:
-        """Read by a replica-level RequestRouter to prefer idle replicas."""
-        return self._load()
+        """Read by the pool's request router (deployments/request_router.py) to rank replicas.
+
+        The engine load plus `max_num_seqs`, so the router can tell free batch
+        slots from a queue without knowing the pool's config.
+        """
+        return {**self._load(), "max_num_seqs": self._max_num_seqs}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metrics: engine queue and KV pressure, beyond ongoing requests."""

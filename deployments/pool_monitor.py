@@ -1,9 +1,10 @@
-"""Each pool's live load as the ingress sees it: requests in flight and polled engine stats.
+"""Each pool's live load as the ingress sees it: sequences in flight and polled engine stats.
 
-In-flight counts are kept here, exact and instant, so routing and admission
-react to a burst before the next poll. Engine stats (KV usage, queue,
-prefix-cache counters) are polled from every replica for metrics and for
-the live replica count that sizes a pool's capacity.
+Sequences in flight are tracked here, exact and instant (priority, prompt
+length, tokens so far), so placement reacts to a burst before the next poll.
+Engine stats are polled from every replica: the fitted step cost that turns
+that work into predicted latencies (policies/latency.py), KV usage and queue
+for metrics, and the live replica count that sizes a pool's capacity.
 """
 
 from __future__ import annotations
@@ -19,12 +20,18 @@ from typing import Any
 from deployments.config import PoolConfig
 from deployments.pool import ReplicaStats
 from engine.outputs import EngineStats
-from policies.routing import PoolLoad
+from policies.latency import InFlight, PoolState, StepCost
 
 log = logging.getLogger(__name__)
 
 STALE_AFTER_POLLS = 3
 """A replica not heard from in this many poll periods is counted as gone."""
+
+
+TYPICAL_OUTPUT_TOKENS = 128
+"""Expected output length before any request has finished on a pool."""
+OUTPUT_EWMA = 0.1
+"""Weight of each finished sequence in a pool's typical output length."""
 
 
 @dataclass
@@ -33,38 +40,73 @@ class _Seen:
     at_s: float
 
 
+@dataclass(eq=False)
+class TrackedSequence:
+    """One sequence the ingress sent to a pool; the ingress updates its output count."""
+
+    priority: int
+    num_prompt_tokens: int
+    max_tokens: int
+    num_output_tokens: int = 0
+
+
 class PoolMonitor:
+    """Each pool's live load for routing, admission, metrics and health."""
+
     def __init__(
         self, pools: dict[str, PoolConfig], handles: dict[str, Any], poll_interval_s: float
     ):
         self._pools = pools
         self._handles = handles
         self._poll_interval_s = poll_interval_s
-        self._in_flight = dict.fromkeys(pools, 0)
+        self._in_flight: dict[str, list[TrackedSequence]] = {name: [] for name in pools}
+        self._typical_output = dict.fromkeys(pools, float(TYPICAL_OUTPUT_TOKENS))
         self._replicas: dict[str, dict[str, _Seen]] = {name: {} for name in pools}
         self.replica_seconds = dict.fromkeys(pools, 0.0)
         """Replica time spent so far per pool: the basis of the cost metric."""
 
     @contextmanager
-    def in_flight(self, pool: str, count: int) -> Iterator[None]:
-        """Count `count` sequences as running on `pool` for the duration of the block."""
-        self._in_flight[pool] += count
+    def track(self, pool: str, sequences: list[TrackedSequence]) -> Iterator[None]:
+        """Count `sequences` as in flight on `pool` for the duration of the block; when it
+        ends, their output lengths teach the pool's typical output length."""
+        self._in_flight[pool].extend(sequences)
         try:
             yield
         finally:
-            self._in_flight[pool] -= count
+            for sequence in sequences:
+                self._in_flight[pool].remove(sequence)
+                typical = self._typical_output[pool]
+                typical += OUTPUT_EWMA * (sequence.num_output_tokens - typical)
+                self._typical_output[pool] = typical
 
-    def load(self, pool: str) -> PoolLoad:
+    def state(self, pool: str) -> PoolState:
+        """The pool now, as placement reads it (policies/latency.py)."""
         config = self._pools[pool]
-        return PoolLoad(
-            num_in_flight=self._in_flight[pool],
-            capacity=config.engine.max_num_seqs * max(1, len(self.replica_stats(pool))),
+        stats = self.replica_stats(pool)
+        return PoolState(
+            name=pool,
+            num_replicas=max(1, len(stats)),
+            max_num_seqs=config.engine.max_num_seqs,
+            max_num_batched_tokens=config.engine.max_num_batched_tokens,
+            cost=_mean_step_cost(stats),
+            in_flight=tuple(self._in_flight_view(pool)),
             max_queued=config.max_queued_requests,
+            cost_per_1k_tokens=config.estimated_cost_per_1k_tokens,
             max_request_tokens=config.max_request_tokens,
         )
 
-    def loads(self) -> dict[str, PoolLoad]:
-        return {name: self.load(name) for name in self._pools}
+    def states(self) -> dict[str, PoolState]:
+        """Every pool's state."""
+        return {name: self.state(name) for name in self._pools}
+
+    def _in_flight_view(self, pool: str) -> Iterator[InFlight]:
+        typical = self._typical_output[pool]
+        for s in self._in_flight[pool]:
+            left = s.max_tokens - s.num_output_tokens
+            expected = min(left, max(1.0, typical - s.num_output_tokens))
+            yield InFlight(
+                s.priority, s.num_prompt_tokens, round(expected), s.num_output_tokens > 0
+            )
 
     def replica_stats(self, pool: str) -> list[EngineStats]:
         """The latest stats of each live replica of `pool`."""
@@ -80,6 +122,7 @@ class PoolMonitor:
             await asyncio.sleep(self._poll_interval_s)
 
     async def poll_once(self) -> None:
+        """Ask every pool's replicas for their stats once."""
         await asyncio.gather(*(self._poll(name) for name in self._pools))
 
     async def _poll(self, pool: str) -> None:
@@ -91,3 +134,15 @@ class PoolMonitor:
                 self._replicas[pool][result.replica_id] = _Seen(result.engine, time.monotonic())
             else:
                 log.warning("stats poll of pool %s failed: %r", pool, result)
+
+
+def _mean_step_cost(stats: list[EngineStats]) -> StepCost:
+    """The replicas' fitted step costs, averaged (zero before any replica reported)."""
+    if not stats:
+        return StepCost(0.0, 0.0, 0.0)
+    n = len(stats)
+    return StepCost(
+        base_s=sum(s.step_base_s for s in stats) / n,
+        per_seq_s=sum(s.step_per_seq_s for s in stats) / n,
+        per_token_s=sum(s.step_per_token_s for s in stats) / n,
+    )

@@ -4,109 +4,153 @@ Requests accept, beside OpenAI's fields, the sampling extras that vLLM
 clients and benchmark tools send (`top_k`, `min_tokens`, `ignore_eos`,
 `repetition_penalty`) and tierserve's `tier`. Unknown fields are ignored, as
 OpenAI-compatible servers do, so newer clients keep working.
+
+Known fields are strict: numbers must be JSON numbers (not strings or
+booleans), finite and in range, so nothing the sampler cannot use gets past
+the ingress, and every refusal names its field. The bounds that are config
+(how many prompts, stop strings) are checked by deployments/limits.py.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from engine.sampling_params import SEED_MAX, SEED_MIN
 
 
-class StreamOptions(BaseModel):
+def _as_list(value: Any) -> Any:
+    """OpenAI lets one string stand for a list of one; null stands for none."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else value
+
+
+def _as_parts(value: Any) -> Any:
+    """Message content as text parts: a plain string is one part, null is none."""
+    if value is None:
+        return []
+    return [{"type": "text", "text": value}] if isinstance(value, str) else value
+
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+StrList = Annotated[list[str], BeforeValidator(_as_list)]
+
+
+class _Request(BaseModel):
+    """Base of request bodies: strict types, unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Request):
+    """OpenAI's stream options: only `include_usage` is honoured."""
+
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(_Request):
     """Fields shared by chat and text completion requests."""
 
     model: str
-    n: int = Field(default=1, ge=1, le=16)
+    n: int = Field(default=1, ge=1)
+    """Choices per prompt; n x prompts is bounded by the config's max_sequences."""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_tokens: int = 0
-    repetition_penalty: float = 1.0
+    temperature: Finite = Field(default=1.0, ge=0)
+    top_p: Finite = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=-1)
+    """0 or -1 turn top-k off."""
+    min_tokens: int = Field(default=0, ge=0)
+    repetition_penalty: Finite = Field(default=1.0, gt=0)
     ignore_eos: bool = False
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: StrList = Field(default_factory=list)
+    """Stop strings; one string or null are accepted, as OpenAI does."""
     tier: str | None = None
     """tierserve's SLA tier; the `X-SLA-Tier` header wins over it."""
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
     """None means the rest of the context, as vLLM does."""
 
     @property
     def requested_max_tokens(self) -> int | None:
+        """The output length the client asked for; None: the rest of the context."""
         return self.max_tokens
 
     @property
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else self.stop
-
-    @property
     def include_usage_chunk(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class TextPart(BaseModel):
+class TextPart(_Request):
+    """A content part; only text is served (the models here read no images)."""
+
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Request):
+    """One turn of the conversation."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Annotated[list[TextPart], BeforeValidator(_as_parts)] = Field(default_factory=list)
 
     @property
     def text(self) -> str:
         """The content as one string: text parts are joined, as the chat template expects."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
         return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):
+    """`POST /v1/chat/completions`."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     """OpenAI's newer name for max_tokens; wins when both are given."""
 
     @property
     def requested_max_tokens(self) -> int | None:
+        """`max_completion_tokens`, else `max_tokens`."""
         return self.max_completion_tokens or self.max_tokens
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
-    max_tokens: int | None = 16
-    """OpenAI's default for text completions."""
+    """`POST /v1/completions`: one prompt, or a list of them."""
 
-    @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+    prompt: Annotated[list[str], BeforeValidator(_as_list)] = Field(min_length=1)
+    """Each prompt is sampled n times; a single string is a list of one."""
+    max_tokens: int | None = Field(default=16, ge=1)
+    """OpenAI's default for text completions."""
 
 
 class Usage(BaseModel):
+    """Token counts of a request (OpenAI's `usage`)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
 
 class ChatDelta(BaseModel):
+    """What one chat chunk adds to a choice."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):
+    """One choice's part of a streamed chat chunk."""
+
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
+    """A streamed chat chunk (`chat.completion.chunk`)."""
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -116,17 +160,23 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
+    """The assistant message of a finished chat choice."""
+
     role: Literal["assistant"] = "assistant"
     content: str
 
 
 class ChatChoice(BaseModel):
+    """One finished chat choice."""
+
     index: int
     message: ChatResponseMessage
     finish_reason: str | None
 
 
 class ChatCompletionResponse(BaseModel):
+    """A whole (non-streamed) chat completion."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -136,6 +186,8 @@ class ChatCompletionResponse(BaseModel):
 
 
 class CompletionChoice(BaseModel):
+    """One text-completion choice, whole or as a streamed delta."""
+
     index: int
     text: str
     finish_reason: str | None = None
@@ -154,6 +206,8 @@ class CompletionResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """One entry of `GET /v1/models`."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -161,11 +215,15 @@ class ModelCard(BaseModel):
 
 
 class ModelList(BaseModel):
+    """`GET /v1/models`."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
 
 class ErrorDetail(BaseModel):
+    """OpenAI's error object: message, type, param, code."""
+
     message: str
     type: str
     param: str | None = None
@@ -173,4 +231,6 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorResponse(BaseModel):
+    """OpenAI's error body: `{"error": {...}}`."""
+
     error: ErrorDetail

@@ -32,6 +32,7 @@ class ChoiceProgress:
     finish_reason: str | None = None
 
     def add(self, output: RequestOutput, now_s: float) -> None:
+        """Fold one engine delta in, timing it at `now_s`."""
         num_new = len(output.new_token_ids)
         if num_new and self.last_token_s is not None:
             # A delta may carry several tokens (speculative decoding): spread the gap over them.
@@ -48,10 +49,12 @@ class ChoiceProgress:
 
     @property
     def text(self) -> str:
+        """Everything generated so far."""
         return "".join(self.text_parts)
 
     @property
     def ttft_s(self) -> float | None:
+        """Time to first token, from arrival at the ingress; None before it."""
         return None if self.first_token_s is None else self.first_token_s - self.start_s
 
     @property
@@ -76,10 +79,13 @@ def usage(choices: list[ChoiceProgress]) -> Usage:
 _DONE = object()
 
 
-async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge_streams(
+    streams: Sequence[AsyncIterator[T]], deadline_s: float | None = None
+) -> AsyncIterator[tuple[int, T]]:
     """Items of all streams as they arrive, tagged with their stream's index.
 
-    An error in any stream is raised here; leaving early cancels every pump.
+    An error in any stream is raised here; so is TimeoutError once the loop
+    clock passes `deadline_s`. Leaving early, either way, cancels every pump.
     """
     queue: asyncio.Queue[tuple[int, object, BaseException | None]] = asyncio.Queue()
 
@@ -91,11 +97,15 @@ async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tu
         except Exception as error:  # handed to the consumer, which decides
             await queue.put((index, _DONE, error))
 
+    loop = asyncio.get_running_loop()
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         num_open = len(tasks)
         while num_open:
-            index, item, error = await queue.get()
+            # Timed per wait, not around the loop: a timeout scope spanning `yield`
+            # would cancel the consumer wherever it happens to be.
+            timeout_s = None if deadline_s is None else deadline_s - loop.time()
+            index, item, error = await asyncio.wait_for(queue.get(), timeout_s)
             if error is not None:
                 raise error
             if item is _DONE:

@@ -22,7 +22,9 @@ from deployments.streaming import ChoiceProgress, usage
 from engine.outputs import EngineStats
 from policies.tiers import Tier, meets_slo
 
-request_log = logging.getLogger("tierserve.requests")
+request_log = logging.getLogger("ray.serve.tierserve.requests")
+"""Under `ray.serve`, so the replica's Serve logging config (level, encoding, its log file
+under the Ray session's logs/serve/) applies to the per-request lines."""
 
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 25.6, 60.0)
 _TOKEN_BUCKETS_S = (0.005, 0.01, 0.02, 0.025, 0.04, 0.06, 0.08, 0.1, 0.2, 0.4, 0.8, 1.6)
@@ -37,7 +39,7 @@ class RequestRecord:
     tier: Tier
     pool: str
     status: str
-    """`ok`, `aborted` (client left) or `error`."""
+    """`ok`, `aborted` (client left), `timeout` (past the tier's deadline) or `error`."""
     choices: list[ChoiceProgress]
     end_s: float
     prompt_text: str | None = None
@@ -45,9 +47,13 @@ class RequestRecord:
 
 
 class Telemetry:
+    """Request metrics (observed per finished request), engine metrics (read from the pool
+    monitor at scrape time) and the per-request log line."""
+
     def __init__(self, model_name: str, pools: dict[str, PoolConfig], monitor: PoolMonitor) -> None:
         self.registry = CollectorRegistry()
         self._model_name = model_name
+        self._pool_models = {name: pool.model_name for name, pool in pools.items()}
         labels = ["model_name", "pool", "tier"]
         r = self.registry
         self._ttft = Histogram(
@@ -81,17 +87,28 @@ class Telemetry:
             "tierserve:slo_met", "Completed requests that met their tier's TTFT and TPOT.",
             labels, registry=r,
         )  # fmt: skip
+        self._decisions = Counter(
+            "tierserve:admission_decisions", "Placement decisions by tier, reason and pool.",
+            ["tier", "reason", "pool"], registry=r,
+        )  # fmt: skip
         self._output_tokens_by_pool = dict.fromkeys(pools, 0)
         r.register(_EngineCollector(model_name, pools, monitor, self._output_tokens_by_pool))
 
     def observe(self, record: RequestRecord) -> None:
+        """Count a finished request in the metrics and write its log line."""
         labels = (self._model_name, record.pool, record.tier.name)
         self._requests.labels(*labels, record.status).inc()
         for choice in record.choices:
             self._observe_choice(labels, record, choice)
-        request_log.info(json.dumps(_log_fields(record)))
+        model = self._pool_models.get(record.pool, self._model_name)
+        request_log.info(json.dumps(_log_fields(record, model)))
+
+    def count_decision(self, tier: str, reason: str, pool: str | None) -> None:
+        """Count one placement decision (policies/placement.py); a refusal has pool `none`."""
+        self._decisions.labels(tier, reason, pool or "none").inc()
 
     def render(self) -> bytes:
+        """Every metric in Prometheus's text format."""
         return generate_latest(self.registry)
 
     def _observe_choice(
@@ -115,13 +132,14 @@ class Telemetry:
                 self._slo_met.labels(*labels).inc()
 
 
-def _log_fields(record: RequestRecord) -> dict[str, object]:
+def _log_fields(record: RequestRecord, model: str) -> dict[str, object]:
     first = record.choices[0] if record.choices else None
     fields: dict[str, object] = {
         "request_id": record.request_id,
         "key": record.key_name,
         "tier": record.tier.name,
         "pool": record.pool,
+        "model": model,
         "status": record.status,
         "prompt_tokens": usage(record.choices).prompt_tokens,
         "output_tokens": usage(record.choices).completion_tokens,
@@ -195,6 +213,7 @@ class _EngineCollector(Collector):
         self._output_tokens_by_pool = output_tokens_by_pool
 
     def collect(self) -> Iterator[Metric]:
+        """Every engine metric, per pool, from the latest polled stats."""
         labels = ["model_name", "pool"]
         for family_cls, name, help_text, value in _ENGINE_METRICS:
             family = family_cls(name, help_text, labels=labels)

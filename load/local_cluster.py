@@ -28,7 +28,8 @@ READY_TIMEOUT_S = 300.0
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on the loopback right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -47,7 +48,7 @@ def serving(
     python_path: Sequence[Path] = (),
 ) -> Iterator[str]:
     """Run the app until the block ends; yields its base URL once /health answers 200."""
-    port = _free_port()
+    port = free_port()
     # Ray 2.60 local clusters turn on token auth, which breaks `serve.shutdown`.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(

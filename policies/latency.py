@@ -64,6 +64,8 @@ class PoolState:
     would wait ahead of it."""
     cost_per_1k_tokens: float = 0.0
     """What the pool's output costs: the cheaper of two pools that meet an SLO wins."""
+    max_request_tokens: int | None = None
+    """Prompt + max_tokens above which the pool takes no request (None: no limit)."""
 
     @property
     def num_slots(self) -> int:

@@ -1,7 +1,8 @@
 """Admission and routing on predicted latency: where a request runs, or why it is refused.
 
 Each request goes to the cheapest of its tier's pools predicted to meet the
-tier's TTFT and TPOT targets (policies/latency.py). When none is, the tier's
+tier's TTFT and TPOT targets (policies/latency.py); a `protect` tier prefers
+its own (latency-tuned) pool while that meets them. When none is, the tier's
 `on_slo_miss` decides:
 
 - `protect` (interactive): run wherever the first token is predicted in time,
@@ -40,7 +41,7 @@ class Placement:
     """None: refused (429)."""
     reason: str
     """`slo` (predicted within its SLO), `overflow` (first token in time on a busy pool),
-    `downgrade`, `queue`, `shed_queue_full` or `shed_slo`."""
+    `downgrade`, `queue`; refusals: `shed_queue_full`, `shed_slo`."""
     prediction: Prediction | None = None
     retry_after_s: int | None = None
 
@@ -50,33 +51,50 @@ class Placement:
         return self.reason == "downgrade"
 
 
+@dataclass(frozen=True)
+class RequestShape:
+    """What placement knows of a request before it runs."""
+
+    num_prompt_tokens: int
+    """Of its longest prompt."""
+    max_tokens: int
+    num_sequences: int = 1
+    """Prompts times `n`: each is a sequence in the engine."""
+
+
 def place(
-    tier: Tier, num_prompt_tokens: int, pools: Mapping[str, PoolState], jitter: float = 0.0
+    tier: Tier, shape: RequestShape, pools: Mapping[str, PoolState], jitter: float = 0.0
 ) -> Placement:
     """Choose a pool for a request of `tier`; `jitter` in [0, 1) spreads Retry-After."""
     predictions = {
-        name: predict(pools[name], tier.priority, num_prompt_tokens) for name in _candidates(tier)
+        name: predict(pools[name], tier.priority, shape.num_prompt_tokens)
+        for name in _candidates(tier, shape, pools)
     }
-    open_pools = {n: p for n, p in predictions.items() if _queue_ahead(pools[n], p) == 0}
+    open_pools = {
+        n: p for n, p in predictions.items() if _queue_ahead(pools[n], p, shape.num_sequences) == 0
+    }
     in_slo = [n for n, p in open_pools.items() if _meets(tier, p)]
     if in_slo:
-        best = min(in_slo, key=lambda n: pools[n].cost_per_1k_tokens)
+        best = min(in_slo, key=lambda n: _preference(tier, n, pools[n]))
         return Placement(best, "slo", predictions[best])
     if tier.on_slo_miss == "protect":
-        return _protect(tier, pools, predictions, open_pools, jitter)
+        return _protect(tier, shape, pools, predictions, open_pools, jitter)
     target = (
         tier.overflow_pool if tier.on_slo_miss == "downgrade" and tier.overflow_pool else tier.pool
     )
+    if target not in predictions:  # too large for it: the candidate that takes it
+        target = next(iter(predictions))
     if target in open_pools:
         reason = "downgrade" if tier.on_slo_miss == "downgrade" else "queue"
         return Placement(target, reason, predictions[target])
     pool, prediction = pools[target], predictions[target]
-    wait_s = drain_s(pool, _queue_ahead(pool, prediction))
+    wait_s = drain_s(pool, _queue_ahead(pool, prediction, shape.num_sequences))
     return _refuse(prediction, "shed_queue_full", wait_s, jitter)
 
 
 def _protect(
     tier: Tier,
+    shape: RequestShape,
     pools: Mapping[str, PoolState],
     predictions: Mapping[str, Prediction],
     open_pools: Mapping[str, Prediction],
@@ -92,9 +110,8 @@ def _protect(
     prediction = predictions[soonest]
     pool = pools[soonest]
     # Until this tier's own backlog has drained enough for a first token in time.
-    wait_s = max(
-        prediction.ttft_s - tier.ttft_ms / 1000, drain_s(pool, _queue_ahead(pool, prediction))
-    )
+    backlog = drain_s(pool, _queue_ahead(pool, prediction, shape.num_sequences))
+    wait_s = max(prediction.ttft_s - tier.ttft_ms / 1000, backlog)
     return _refuse(prediction, "shed_slo", wait_s, jitter)
 
 
@@ -103,15 +120,27 @@ def _refuse(prediction: Prediction, reason: str, wait_s: float, jitter: float) -
     return Placement(None, reason, prediction, retry_after_s)
 
 
-def _candidates(tier: Tier) -> list[str]:
-    return [tier.pool] + (
-        [tier.overflow_pool] if tier.overflow_pool not in (None, tier.pool) else []
-    )
+def _preference(tier: Tier, name: str, pool: PoolState) -> tuple[bool, float]:
+    """Cheapest first; a `protect` tier keeps to its own pool while that meets the SLO (its
+    pool is configured for latency: small batches, speculation)."""
+    away = tier.on_slo_miss == "protect" and name != tier.pool
+    return away, pool.cost_per_1k_tokens
 
 
-def _queue_ahead(pool: PoolState, prediction: Prediction) -> int:
-    """How far past the queue limit the request would wait (0: within it)."""
-    waiting = max(0, prediction.num_ahead + 1 - pool.num_slots)
+def _candidates(tier: Tier, shape: RequestShape, pools: Mapping[str, PoolState]) -> list[str]:
+    """The tier's pools, own pool first, without those whose `max_request_tokens` the
+    request exceeds (unless that leaves none: the limit is a preference, not a refusal)."""
+    overflow = [tier.overflow_pool] if tier.overflow_pool not in (None, tier.pool) else []
+    names = [tier.pool, *overflow]
+    total = shape.num_prompt_tokens + shape.max_tokens
+    limits = {n: pools[n].max_request_tokens for n in names}
+    fitting = [n for n in names if limits[n] is None or total <= limits[n]]
+    return fitting or names
+
+
+def _queue_ahead(pool: PoolState, prediction: Prediction, num_sequences: int = 1) -> int:
+    """How far past the queue limit the request's sequences would wait (0: within it)."""
+    waiting = max(0, prediction.num_ahead + num_sequences - pool.num_slots)
     return max(0, waiting - pool.max_queued)
 
 

@@ -36,9 +36,6 @@ class Tier(BaseModel):
     """Longest a request of this tier may run, from arrival; past it the request is aborted
     and the client told (408, or an error event on a stream). None: only the app's
     request_timeout_s applies."""
-    shed_at_queue_fraction: float = Field(default=1.0, gt=0, le=1)
-    """Shed with 429 once a pool's queue reaches this fraction of its limit:
-    lower tiers get smaller fractions so they are shed first."""
 
 
 def resolve_tier(

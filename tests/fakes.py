@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
@@ -10,6 +11,8 @@ from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 
 TOKEN_DELAY_S = 0.005
+FAIL_MARKER = "<fake-fault>"
+"""A prompt containing this makes the fake engine raise a RuntimeError: an unexpected fault."""
 FAKE_NUM_DRAFTS = 10
 """Drafts a speculating fake reports, each as long as `spec_accepted_per_pos`."""
 
@@ -18,24 +21,40 @@ class FakeTokenizer:
     """One token per character: counts are easy to predict in tests."""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """One id per character."""
         return [ord(c) for c in text]
 
     def decode(self, token_ids: list[int]) -> str:
+        """The characters of the ids."""
         return "".join(chr(t) for t in token_ids)
 
     def apply_chat_template(
         self, messages: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool
     ) -> str:
+        """Roles as tags, the assistant turn opened."""
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
 
 class FakeEngine:
-    """Writes a, b, c, ... one token every TOKEN_DELAY_S until max_tokens; tracks live requests."""
+    """Writes a, b, c, ... one token every `token_delay_s` until max_tokens; tracks live
+    requests. A prompt containing FAIL_MARKER fails with a RuntimeError (a bug, not a 400)."""
+
+    token_delay_s = TOKEN_DELAY_S
+    batch_limited = False
+    """True: at most max_num_seqs requests run at once; the rest wait (num_waiting, queue time)."""
+    prefix_caching = False
+    """True: a prompt's full blocks already seen by this engine count as num_cached_tokens."""
+    stats_fail = False
+    """True: `stats()` raises, as for an engine whose load nobody can read."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.tokenizer = FakeTokenizer()
         self.max_model_len = config.max_model_len or 256
         self._max_num_seqs = config.max_num_seqs
+        self._block_size = config.block_size
+        self._batch = asyncio.Semaphore(config.max_num_seqs)
+        self._num_waiting = 0
+        self._cached_prefixes: set[tuple[int, ...]] = set()
         self._running: set[str] = set()
         self.alive = True
         """Set False to play an engine whose step loop died."""
@@ -49,12 +68,17 @@ class FakeEngine:
         request_id: str,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
+        """Stream one token per delay, as the engine's deltas."""
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt + max_tokens exceeds max_model_len ({self.max_model_len})")
+        if FAIL_MARKER in self.tokenizer.decode(prompt_token_ids):
+            raise RuntimeError("fake engine fault: internal detail")
+        queue_time_s = await self._wait_for_slot()
+        num_cached_tokens = self._cache_prefix(prompt_token_ids)
         self._running.add(request_id)
         try:
             for i in range(params.max_tokens):
-                await asyncio.sleep(TOKEN_DELAY_S)
+                await asyncio.sleep(self.token_delay_s)
                 token_id = ord("a") + i % 26
                 last = i == params.max_tokens - 1
                 yield RequestOutput(
@@ -65,17 +89,49 @@ class FakeEngine:
                     finish_reason="length" if last else None,
                     num_prompt_tokens=len(prompt_token_ids),
                     num_output_tokens=i + 1,
+                    num_cached_tokens=num_cached_tokens,
+                    queue_time_s=queue_time_s,
                 )
         finally:
             self._running.discard(request_id)
+            if self.batch_limited:
+                self._batch.release()
+
+    async def _wait_for_slot(self) -> float | None:
+        """Seconds waited for a batch slot when batch_limited, else None (no queue)."""
+        if not self.batch_limited:
+            return None
+        arrival_s = time.monotonic()
+        self._num_waiting += 1
+        try:
+            await self._batch.acquire()
+        finally:
+            self._num_waiting -= 1
+        return time.monotonic() - arrival_s
+
+    def _cache_prefix(self, prompt_token_ids: list[int]) -> int:
+        """Tokens of the prompt's leading full blocks seen before; then remembers its blocks."""
+        if not self.prefix_caching:
+            return 0
+        ends = range(self._block_size, len(prompt_token_ids) + 1, self._block_size)
+        blocks = [tuple(prompt_token_ids[:end]) for end in ends]
+        num_cached = next(
+            (i for i, b in enumerate(blocks) if b not in self._cached_prefixes), len(blocks)
+        )
+        self._cached_prefixes.update(blocks)
+        return num_cached * self._block_size
 
     def abort(self, request_id: str) -> None:
+        """Forget the request."""
         self._running.discard(request_id)
 
     def stats(self) -> EngineStats:
+        """Live requests as the running batch; the speculative counters if set."""
+        if self.stats_fail:
+            raise RuntimeError("fake engine: stats unavailable")
         return EngineStats(
             num_running=len(self._running),
-            num_waiting=0,
+            num_waiting=self._num_waiting,
             kv_cache_usage=len(self._running) / self._max_num_seqs,
             prefix_cache_queries=0,
             prefix_cache_hits=0,
@@ -88,4 +144,26 @@ class FakeEngine:
         )
 
     def is_alive(self) -> bool:
+        """The `alive` flag."""
         return self.alive
+
+
+class SlowFakeEngine(FakeEngine):
+    """A fake slow enough (50 ms a token) to be caught mid-stream."""
+
+    token_delay_s = 0.05
+
+
+class QueueingFakeEngine(FakeEngine):
+    """Runs at most max_num_seqs requests at once (20 ms a token), queues the rest, and caches
+    prompt prefixes: load and cache state a router and an autoscaler can act on."""
+
+    token_delay_s = 0.02
+    batch_limited = True
+    prefix_caching = True
+
+
+class StatslessQueueingFakeEngine(QueueingFakeEngine):
+    """A QueueingFakeEngine whose stats call fails: a replica no router can see the load of."""
+
+    stats_fail = True

@@ -89,3 +89,97 @@ def test_app_builder_takes_the_raw_args_of_a_serve_config() -> None:
     """`serve run` hands the builder a plain dict, not the annotated model."""
     application = app_builder(_args())
     assert isinstance(application, Application)
+
+
+def _http_timeout_and_args(target: str) -> tuple[float, dict]:
+    serve_config = _serve_configs()[target]
+    return serve_config["http_options"]["request_timeout_s"], serve_config["applications"][0][
+        "args"
+    ]
+
+
+@pytest.mark.parametrize("target", ["local", "kuberay"])
+def test_proxy_timeout_is_a_backstop_above_every_deadline(target: str) -> None:
+    """Serve's proxy must not cut a request the ingress would still answer with its own 408."""
+    proxy_timeout_s, args = _http_timeout_and_args(target)
+    config = TierserveConfig.model_validate(args)
+    assert proxy_timeout_s > config.request_timeout_s
+    assert config.graceful_shutdown_timeout_s >= config.request_timeout_s
+    assert config.tier("batch").deadline_s == config.request_timeout_s
+
+
+def test_rayservice_reads_keys_from_a_secret() -> None:
+    rayservice = yaml.safe_load((CONFIGS / "kuberay" / "rayservice.yaml").read_text())
+    _, args = _http_timeout_and_args("kuberay")
+    (key,) = TierserveConfig.model_validate(args).gateway.api_keys
+    assert key.key is None and key.key_env is not None
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    containers = [cluster["headGroupSpec"]["template"]["spec"]["containers"][0]]
+    containers += [g["template"]["spec"]["containers"][0] for g in cluster["workerGroupSpecs"]]
+    for container in containers:  # the ingress may land on any node
+        (env,) = [e for e in container["env"] if e["name"] == key.key_env]
+        assert env["valueFrom"]["secretKeyRef"]["name"] == "tierserve-api-keys"
+
+
+def _gateway(*keys: dict) -> dict:
+    return {"require_api_key": True, "api_keys": list(keys)}
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ({"name": "a", "key": ""}, "API key 'a' is empty"),
+        ({"name": "a", "key": "  "}, "API key 'a' is empty"),
+        ({"name": "a"}, "exactly one of key, key_env, key_file"),
+        ({"name": "a", "key": "x", "key_env": "X"}, "exactly one of key, key_env, key_file"),
+        ({"name": "a", "key": "x", "allowed_tiers": ["gold"]}, "allows unknown tiers"),
+        (
+            {"name": "a", "key": "x", "default_tier": "batch", "allowed_tiers": ["interactive"]},
+            "default_tier 'batch' is not in allowed_tiers",
+        ),
+    ],
+)
+def test_bad_api_keys_are_refused_at_config_load(key: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        TierserveConfig.model_validate(_args(gateway=_gateway(key)))
+
+
+def test_keys_are_read_from_env_or_file_and_refused_when_empty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TS_TEST_KEY", "from-env")
+    monkeypatch.setenv("TS_TEST_EMPTY", "")
+    (tmp_path / "key").write_text("from-file\n")  # Secret files end with a newline
+    (tmp_path / "empty").write_text("\n")
+    config = TierserveConfig.model_validate(
+        _args(
+            gateway=_gateway(
+                {"name": "env", "key_env": "TS_TEST_KEY"},
+                {"name": "file", "key_file": str(tmp_path / "key")},
+                {"name": "empty-env", "key_env": "TS_TEST_EMPTY"},
+                {"name": "empty-file", "key_file": str(tmp_path / "empty")},
+                {"name": "no-file", "key_file": str(tmp_path / "missing")},
+            )
+        )
+    )
+    env, file, empty_env, empty_file, no_file = config.gateway.api_keys
+    assert env.read_key() == "from-env" and file.read_key() == "from-file"
+    with pytest.raises(ValueError, match="'empty-env' is empty"):
+        empty_env.read_key()
+    with pytest.raises(ValueError, match="'empty-file' is empty"):
+        empty_file.read_key()
+    with pytest.raises(ValueError, match="does not exist"):
+        no_file.read_key()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"request_timeout_s": 100}, "deadline_s 300.0 exceeds request_timeout_s 100"),
+        ({"graceful_shutdown_timeout_s": 20}, "must be at least request_timeout_s"),
+        ({"limits": {"max_body_bytes": 10}}, "max_body_bytes"),
+    ],
+)
+def test_timeouts_and_limits_are_checked(changes: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        TierserveConfig.model_validate(_args(**changes))

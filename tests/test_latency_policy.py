@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from policies.latency import InFlight, PoolState, StepCost, drain_s, predict
-from policies.placement import place
+from policies.placement import RequestShape, place
 from policies.tiers import Tier
 
 COST = StepCost(base_s=0.010, per_seq_s=0.001, per_token_s=0.0005)
@@ -76,24 +76,26 @@ def test_drain_time_grows_with_the_backlog():
 
 def test_cheapest_pool_meeting_the_slo_wins():
     pools = {"fast": pool("fast", price=3.0), "bulk": pool("bulk", max_num_seqs=64, price=1.0)}
-    decision = place(STANDARD, 50, pools)
+    decision = place(STANDARD, RequestShape(50, 64), pools)
     assert (decision.pool, decision.reason) == ("bulk", "slo")
 
 
 def test_standard_is_downgraded_when_no_pool_meets_its_slo():
     slow = StepCost(base_s=0.2, per_seq_s=0.0, per_token_s=0.0)  # every step 200 ms > 60 ms TPOT
     pools = {n: PoolState(n, 1, 4, 256, slow, max_queued=4) for n in ("fast", "bulk")}
-    decision = place(STANDARD, 50, pools)
+    decision = place(STANDARD, RequestShape(50, 64), pools)
     assert (decision.pool, decision.reason, decision.downgraded) == ("bulk", "downgrade", True)
 
 
 def test_batch_queues_until_the_queue_is_full_then_is_shed_with_retry_after():
-    in_slo = place(BATCH, 50, {"bulk": pool("bulk", decoding(2, 6), max_queued=4)})
+    in_slo = place(
+        BATCH, RequestShape(50, 64), {"bulk": pool("bulk", decoding(2, 6), max_queued=4)}
+    )
     assert (in_slo.pool, in_slo.reason) == ("bulk", "slo")
     slow = pool("bulk", decoding(2, 6, remaining=20_000), max_queued=4)  # first token in ~4 min
-    queued = place(BATCH, 50, {"bulk": slow})
+    queued = place(BATCH, RequestShape(50, 64), {"bulk": slow})
     assert (queued.pool, queued.reason) == ("bulk", "queue")
-    full = place(BATCH, 50, {"bulk": pool("bulk", decoding(2, 9), max_queued=4)})
+    full = place(BATCH, RequestShape(50, 64), {"bulk": pool("bulk", decoding(2, 9), max_queued=4)})
     assert (full.pool, full.reason) == (None, "shed_queue_full")
     assert full.retry_after_s is not None and full.retry_after_s >= 1
 
@@ -104,10 +106,10 @@ def test_interactive_is_never_shed_while_batch_work_fills_the_offline_pool():
         "fast": pool("fast", decoding(0, 4, remaining=500), max_queued=0),  # own pool full
         "bulk": pool("bulk", batch_work, max_num_seqs=64, max_queued=16),
     }
-    decision = place(INTERACTIVE, 50, pools)
+    decision = place(INTERACTIVE, RequestShape(50, 64), pools)
     assert decision.pool == "bulk"
     assert decision.reason in ("slo", "overflow")
-    batch = place(BATCH, 50, pools)
+    batch = place(BATCH, RequestShape(50, 64), pools)
     assert batch.pool is None  # the batch tier is the one turned away
 
 
@@ -117,12 +119,31 @@ def test_interactive_is_shed_only_when_its_own_demand_is_too_much():
         "fast": pool("fast", flood, max_queued=4),
         "bulk": pool("bulk", flood, max_num_seqs=64, max_queued=16),
     }
-    decision = place(INTERACTIVE, 50, pools)
+    decision = place(INTERACTIVE, RequestShape(50, 64), pools)
     assert decision.pool is None and decision.reason == "shed_slo"
     assert decision.retry_after_s is not None and decision.retry_after_s >= 1
 
 
 def test_retry_after_jitter_spreads_refused_clients():
     pools = {"bulk": pool("bulk", decoding(2, 9, remaining=2000), max_queued=4)}
-    low, high = place(BATCH, 50, pools, jitter=0.0), place(BATCH, 50, pools, jitter=0.99)
+    low, high = (
+        place(BATCH, RequestShape(50, 64), pools, jitter=0.0),
+        place(BATCH, RequestShape(50, 64), pools, jitter=0.99),
+    )
     assert high.retry_after_s > low.retry_after_s
+
+
+def test_a_request_too_long_for_the_home_pool_prefers_the_overflow_pool():
+    pools = {
+        "fast": pool("fast", price=1.0),
+        "bulk": pool("bulk", max_num_seqs=64, price=3.0),
+    }
+    pools["fast"] = PoolState(**{**pools["fast"].__dict__, "max_request_tokens": 512})
+    decision = place(STANDARD, RequestShape(1000, 64), pools)
+    assert decision.pool == "bulk"
+
+
+def test_many_sequences_count_against_the_queue_limit():
+    pools = {"bulk": pool("bulk", decoding(2, 4), max_queued=4)}
+    assert place(BATCH, RequestShape(50, 64, num_sequences=4), pools).pool == "bulk"
+    assert place(BATCH, RequestShape(50, 64, num_sequences=6), pools).pool is None

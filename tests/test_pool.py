@@ -26,5 +26,5 @@ def test_check_health_fails_when_the_engine_loop_is_dead(pool: Pool) -> None:
 
 def test_routing_and_autoscaling_stats_report_the_engine_load(pool: Pool) -> None:
     expected = {"num_waiting": 0, "num_running": 0, "kv_cache_usage": 0.0}
-    assert pool.record_routing_stats() == expected
+    assert pool.record_routing_stats() == {**expected, "max_num_seqs": EngineConfig().max_num_seqs}
     assert pool.record_autoscaling_stats() == expected

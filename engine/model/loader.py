@@ -22,13 +22,13 @@ import json
 import os
 import shutil
 import sys
-import tempfile
+import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from filelock import FileLock
+from filelock import FileLock, Timeout
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -72,12 +72,8 @@ def resolve_model_dir(model: str, cache_dir: Path) -> Path:
 
 
 def converted_gguf_dir(gguf_path: Path, cache_dir: Path) -> Path:
-    """The HF folder converted from `gguf_path`, named by the file's content; built once.
-
-    A copy or a move of the GGUF finds the same folder; a changed file gets a new one.
-    """
-    key = content_digest([gguf_path], cache_dir)[:KEY_CHARS]
-    target = Path(cache_dir) / "converted" / f"{gguf_path.stem}-{key}"
+    """The HF folder converted from `gguf_path` into the cache, built once."""
+    target = converted_gguf_path(gguf_path, cache_dir)
     if target.is_dir():  # folders appear complete or not at all
         return target
     with cache_lock(target):
@@ -88,22 +84,40 @@ def converted_gguf_dir(gguf_path: Path, cache_dir: Path) -> Path:
     return target
 
 
+def converted_gguf_path(gguf_path: Path, cache_dir: Path) -> Path:
+    """Where the conversion of `gguf_path` lives: named by the file's name and content.
+
+    A copy or a move of the file finds the same folder; changed bytes get a new one.
+    """
+    key = content_digest([gguf_path], cache_dir)[:KEY_CHARS]
+    return Path(cache_dir) / "converted" / f"{gguf_path.stem}-{key}"
+
+
 @contextmanager
 def cache_lock(target: Path) -> Iterator[None]:
     """Hold the cache entry `target` against every other process until the block ends.
 
-    The lock is an OS file lock on `<target>.lock`, released if its holder dies. On
-    entry, partial outputs (`.<name>.*.partial`) of a builder that died holding it are
-    removed: while the lock is held, nobody else is writing one.
+    The lock is an OS file lock on `<target>.lock`, released if its holder dies; a
+    process that has to wait says so. On entry, partial outputs (`.<name>.*.partial`)
+    of a builder that died holding it are removed: while the lock is held, nobody else
+    is writing one.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(target.with_name(target.name + ".lock")):
+    lock = FileLock(target.with_name(target.name + ".lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"tierserve: waiting for another process building {target}...", file=sys.stderr)
+        lock.acquire()
+    try:
         for stale in target.parent.glob(f".{target.name}.*.partial"):
             if stale.is_dir():
                 shutil.rmtree(stale, ignore_errors=True)
             else:
                 stale.unlink(missing_ok=True)
         yield
+    finally:
+        lock.release()
 
 
 def content_digest(files: Sequence[Path], cache_dir: Path) -> str:
@@ -138,10 +152,18 @@ def _file_digest(file: Path, cache_dir: Path) -> str:
 
 def _write_text_atomically(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    partial = partial_path(path)
+    partial.write_text(text)
     os.replace(partial, path)
+
+
+def partial_path(target: Path) -> Path:
+    """A unique temporary name beside `target` to build it under before renaming it into place.
+
+    `.<name>.<random>.partial`: hidden, never the name of an entry, and the pattern
+    `cache_lock` clears when its holder died mid-build.
+    """
+    return target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")
 
 
 def _convert_gguf(gguf_path: Path, target: Path) -> None:
@@ -160,9 +182,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    partial = Path(
-        tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
-    )
+    partial = partial_path(target)
     try:
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)

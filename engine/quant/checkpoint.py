@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import uuid
 from pathlib import Path
 
 import torch
@@ -40,8 +40,9 @@ def checkpoint_filename(config: QuantConfig) -> str:
 def save_quantized(model: nn.Module, path: Path, config: QuantConfig) -> None:
     """Write every tensor of a quantized model, with what is needed to rebuild it, atomically.
 
-    The file is written under a unique temporary name beside `path` (`.<name>.*.partial`)
-    and renamed over it: concurrent readers see the old file or the new one, never half.
+    The file is written under a unique temporary name beside `path` (`.<name>.<random>.partial`,
+    engine.model.loader's convention) and renamed over it: concurrent readers see the old
+    file or the new one, never half of one.
     """
     tensors, aliases = _unique_tensors(model.state_dict())
     metadata = {
@@ -54,13 +55,12 @@ def save_quantized(model: nn.Module, path: Path, config: QuantConfig) -> None:
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    os.close(fd)
+    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")
     try:
         save_file(tensors, partial, metadata=metadata)
         os.replace(partial, path)
     finally:
-        Path(partial).unlink(missing_ok=True)
+        partial.unlink(missing_ok=True)
 
 
 def load_quantized(model: nn.Module, path: Path, config: QuantConfig) -> nn.Module:

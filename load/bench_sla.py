@@ -1,0 +1,349 @@
+"""SLA benchmark: tiers competing under overload, tierserve against one shared pool.
+
+  python -m load.bench_sla [--quick] [--config configs/local.yaml] [--out DIR]
+
+Two deployments on the same cores, one after the other, each on a private
+local Ray cluster: tierserve as configured (interactive and offline pools,
+placement on predicted latency), and the naive alternative: one shared pool
+with one batch size, every tier first come first served.
+
+1. Overload: N closed-loop workers stream chat completions, tiers
+   interactive:standard:batch = 1:1:1, 64 output tokens (EOS ignored); a 429
+   is retried after its Retry-After. Per tier: goodput (share of admitted
+   requests meeting both SLOs), sheds, and sheds of interactive requests while
+   batch requests were running.
+2. Offered load: open-loop Poisson arrivals at rising rates, the same mix; the
+   interactive goodput of each deployment at each rate. Reported: tierserve's
+   interactive goodput at the lowest rate where the shared pool's falls to
+   70% or below.
+3. Cost per 1k output tokens of each pool after the overload (the ingress's
+   `tierserve:cost_per_1k_output_tokens`), and the TTFT prediction error
+   (measured TTFT against the `x-tierserve-predicted-ttft-ms` header).
+
+SLOs scale with the machine: the configured TTFT and TPOT targets assume a
+batch-1 decode step of REFERENCE_TPOT_MS; they are multiplied by the measured
+batch-1 step over that (never below 1), so the benchmark measures the control
+plane rather than the CPU. The factor is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from app.config import TierserveConfig, load_config
+from engine.model.chat import chat_prompt_ids
+from engine.process import configure_process
+from engine.sampling_params import SamplingParams
+from load.local_cluster import serving
+from load.prompts import chat_turn
+from load.report import emit, log, percentile
+from policies.tiers import Tier
+
+BENCH = "sla"
+TIERS = ("interactive", "standard", "batch")
+REFERENCE_TPOT_MS = 12.5
+"""The batch-1 decode step the configured SLOs were written for."""
+PROMPT_TOKENS = 128
+OUTPUT_TOKENS = 64
+SHARED_MAX_NUM_SEQS = 16
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes of one benchmark run."""
+
+    concurrency: int
+    overload_s: float
+    rates: tuple[float, ...]
+    """Offered loads, requests per second."""
+    rate_s: float
+
+
+FULL = Plan(concurrency=48, overload_s=60, rates=(0.5, 1, 2, 4), rate_s=40)
+QUICK = Plan(concurrency=24, overload_s=30, rates=(0.5, 1.5, 3), rate_s=20)
+
+
+@dataclass
+class Outcome:
+    """One request as the client saw it."""
+
+    tier: str
+    status: int
+    start_s: float
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    predicted_ttft_ms: float | None = None
+    pool: str | None = None
+    batch_running_at_refusal: int = 0
+
+
+@dataclass
+class Client:
+    """Sends chat requests and remembers what each tier got."""
+
+    http: httpx.AsyncClient
+    tiers: dict[str, Tier]
+    model: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    batch_running: int = 0
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+    async def chat(self, tier: str) -> Outcome:
+        """One streamed chat; records its outcome (a 429 included) and returns it."""
+        body = {
+            "model": self.model, "max_tokens": OUTPUT_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": chat_turn(PROMPT_TOKENS, self.rng)}],
+        }  # fmt: skip
+        outcome = Outcome(tier, 0, time.perf_counter())
+        self.batch_running += tier == "batch"
+        try:
+            await self._stream(body, outcome)
+        finally:
+            self.batch_running -= tier == "batch"
+        self.outcomes.append(outcome)
+        return outcome
+
+    async def _stream(self, body: dict[str, Any], outcome: Outcome) -> None:
+        headers = {"X-SLA-Tier": outcome.tier}
+        async with self.http.stream(
+            "POST", "/v1/chat/completions", json=body, headers=headers
+        ) as r:
+            outcome.status = r.status_code
+            if r.status_code != 200:
+                outcome.batch_running_at_refusal = self.batch_running
+                await r.aread()
+                return
+            outcome.pool = r.headers.get("x-tierserve-pool")
+            predicted = r.headers.get("x-tierserve-predicted-ttft-ms")
+            outcome.predicted_ttft_ms = float(predicted) if predicted else None
+            first_s = last_s = None
+            num_tokens = 0
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                    last_s = time.perf_counter()
+                    first_s = first_s or last_s
+                num_tokens = (chunk.get("usage") or {}).get("completion_tokens", num_tokens)
+            if first_s is not None and last_s is not None:
+                outcome.ttft_s = first_s - outcome.start_s
+                if num_tokens > 1:
+                    outcome.tpot_s = (last_s - first_s) / (num_tokens - 1)
+
+    def met_slo(self, outcome: Outcome) -> bool:
+        """Admitted and within both of its tier's targets."""
+        tier = self.tiers[outcome.tier]
+        return (
+            outcome.status == 200
+            and outcome.ttft_s is not None
+            and outcome.ttft_s * 1000 <= tier.ttft_ms
+            and (outcome.tpot_s is None or outcome.tpot_s * 1000 <= tier.tpot_ms)
+        )
+
+
+async def overload(client: Client, plan: Plan) -> None:
+    """Closed loop: each worker sends its tier's next request as its last one ends."""
+    deadline = time.perf_counter() + plan.overload_s
+
+    async def worker(tier: str) -> None:
+        while time.perf_counter() < deadline:
+            outcome = await client.chat(tier)
+            if outcome.status == 429:
+                await asyncio.sleep(min(5.0, max(0.2, deadline - time.perf_counter())))
+
+    await asyncio.gather(*(worker(TIERS[i % 3]) for i in range(plan.concurrency)))
+
+
+async def offered_load(client: Client, rate: float, seconds: float, seed: int) -> None:
+    """Open loop: Poisson arrivals at `rate` per second, tiers drawn 1:1:1."""
+    rng, tasks = random.Random(seed), []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        tasks.append(asyncio.create_task(client.chat(rng.choice(TIERS))))
+        await asyncio.sleep(rng.expovariate(rate))
+    await asyncio.gather(*tasks)
+
+
+def goodput(client: Client, outcomes: list[Outcome], tier: str) -> float:
+    """Share of the tier's admitted requests that met both SLOs (1.0 when none was admitted)."""
+    admitted = [o for o in outcomes if o.tier == tier and o.status == 200]
+    return sum(client.met_slo(o) for o in admitted) / len(admitted) if admitted else 1.0
+
+
+def scaled_tiers(config: TierserveConfig, factor: float) -> tuple[Tier, ...]:
+    """The configured tiers with TTFT and TPOT targets multiplied by `factor`."""
+    return tuple(
+        t.model_copy(update={"ttft_ms": t.ttft_ms * factor, "tpot_ms": t.tpot_ms * factor})
+        for t in config.tiers
+    )
+
+
+def shared_config(config: TierserveConfig) -> TierserveConfig:
+    """One pool, one batch size, every tier first come first served."""
+    base = config.pool("interactive")
+    engine = dataclasses.replace(base.engine, max_num_seqs=SHARED_MAX_NUM_SEQS, spec_decode=None)
+    pool = base.model_copy(update={"name": "shared", "engine": engine, "max_queued_requests": 4096})
+    tiers = tuple(
+        t.model_copy(
+            update={"pool": "shared", "overflow_pool": None, "priority": 0, "on_slo_miss": "queue"}
+        )  # fmt: skip
+        for t in config.tiers
+    )
+    return config.model_copy(update={"pools": (pool,), "tiers": tiers})
+
+
+def machine_factor(config: TierserveConfig) -> float:
+    """Measured batch-1 decode step of the interactive engine over REFERENCE_TPOT_MS (>= 1)."""
+    from engine.engine import LLMEngine  # torch and the model: only this step needs them
+
+    engine_config = config.pool("interactive").engine
+    configure_process(engine_config)
+    engine = LLMEngine(engine_config)
+    prompt = chat_prompt_ids(engine.tokenizer, chat_turn(PROMPT_TOKENS, random.Random(1)))
+    engine.add_request(
+        "probe", prompt, SamplingParams(max_tokens=33, temperature=0, ignore_eos=True)
+    )
+    times = []
+    while engine.has_unfinished():
+        engine.step()
+        times.append(time.perf_counter())
+    tpot_ms = (times[-1] - times[1]) / (len(times) - 2) * 1000
+    return max(1.0, tpot_ms / REFERENCE_TPOT_MS)
+
+
+async def run_deployment(name: str, config: TierserveConfig, plan: Plan) -> dict[str, Any]:
+    """Both phases against one deployment; returns what the report needs."""
+    tiers = {t.name: t for t in config.tiers}
+    result: dict[str, Any] = {"rates": {}}
+    with serving(config) as base_url:
+        async with httpx.AsyncClient(base_url=base_url, timeout=600) as http:
+            client = Client(http, tiers, config.model_name)
+            log(f"--- {name}: overload, {plan.concurrency} streams for {plan.overload_s:.0f} s")
+            await overload(client, plan)
+            result["overload"] = list(client.outcomes)
+            result["cost"] = await pool_costs(http)
+            for i, rate in enumerate(plan.rates):
+                client.outcomes = []
+                log(f"--- {name}: {rate} requests/s for {plan.rate_s:.0f} s")
+                await offered_load(client, rate, plan.rate_s, seed=i)
+                result["rates"][rate] = goodput(client, client.outcomes, "interactive")
+            result["client"] = client
+    return result
+
+
+async def pool_costs(http: httpx.AsyncClient) -> dict[str, float]:
+    """`tierserve:cost_per_1k_output_tokens` per pool, from the ingress's /metrics."""
+    text = (await http.get("/metrics")).text
+    costs = {}
+    for line in text.splitlines():
+        if line.startswith("tierserve:cost_per_1k_output_tokens{"):
+            labels, value = line.rsplit(" ", 1)
+            pool = labels.split('pool="', 1)[1].split('"', 1)[0]
+            costs[pool] = float(value)
+    return costs
+
+
+def report(ours: dict[str, Any], shared: dict[str, Any], factor: float, out: Path) -> None:
+    """The JSON lines of BENCHMARKS.md's SLA section, and a goodput-vs-load plot."""
+    client: Client = ours["client"]
+    outcomes: list[Outcome] = ours["overload"]
+    extra = {"slo_scale": round(factor, 2)}
+    for tier in TIERS:
+        emit(BENCH, f"goodput.{tier}.overload", goodput(client, outcomes, tier), "share", **extra)
+        shed = sum(o.tier == tier and o.status == 429 for o in outcomes)
+        emit(BENCH, f"shed.{tier}.overload", shed, "requests", **extra)
+        emit(BENCH, f"goodput.{tier}.overload.shared",
+             goodput(shared["client"], shared["overload"], tier), "share", **extra)  # fmt: skip
+    refused = [o for o in outcomes if o.tier == "interactive" and o.status == 429]
+    emit(BENCH, "shed.interactive_while_batch_running",
+         sum(o.batch_running_at_refusal > 0 for o in refused), "requests", **extra)  # fmt: skip
+    _report_load_sweep(ours["rates"], shared["rates"], extra)
+    costs = ours["cost"]
+    if costs.get("interactive"):
+        ratio = costs.get("offline", 0.0) / costs["interactive"]
+        emit(BENCH, "ratio.cost_per_1k.offline_vs_interactive", ratio, "x", **extra, **costs)
+    _report_prediction_error(outcomes, extra)
+    _plot(ours["rates"], shared["rates"], out / "sla_goodput_vs_load.png")
+
+
+def _report_load_sweep(ours: dict[float, float], shared: dict[float, float], extra: dict) -> None:
+    for rate in ours:
+        emit(BENCH, f"goodput.interactive.rate{rate}", ours[rate], "share", **extra)
+        emit(BENCH, f"goodput.interactive.rate{rate}.shared", shared[rate], "share", **extra)
+    over = [rate for rate in sorted(shared) if shared[rate] <= 0.7]
+    if over:
+        emit(BENCH, "goodput.interactive.tierserve_at_shared70", ours[over[0]], "share",
+             rate=over[0], **extra)  # fmt: skip
+    else:
+        log("the shared pool kept interactive goodput above 70% at every rate: raise the rates")
+
+
+def _report_prediction_error(outcomes: list[Outcome], extra: dict) -> None:
+    errors = [
+        abs(o.ttft_s * 1000 - o.predicted_ttft_ms)
+        for o in outcomes
+        if o.ttft_s is not None and o.predicted_ttft_ms is not None
+    ]
+    if errors:
+        for q in (50, 95):
+            emit(BENCH, f"prediction_error_ms.ttft.p{q}", percentile(errors, q), "ms",
+                 n=len(errors), **extra)  # fmt: skip
+
+
+def _plot(ours: dict[float, float], shared: dict[float, float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(6, 4))
+    axis.plot(list(ours), list(ours.values()), marker="o", label="tierserve")
+    axis.plot(list(shared), list(shared.values()), marker="s", label="one shared pool")
+    axis.axhline(0.7, color="grey", linestyle=":")
+    axis.set_xlabel("offered load (requests/s, tiers 1:1:1)")
+    axis.set_ylabel("interactive goodput (share meeting SLO)")
+    axis.set_ylim(0, 1.05)
+    axis.legend()
+    axis.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    log(f"wrote {path}")
+
+
+def main() -> None:
+    """Measure the machine, run both deployments, report."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--config", type=Path, default=Path("configs/local.yaml"))
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    plan = QUICK if args.quick else FULL
+    config = load_config(args.config)
+    factor = machine_factor(config)
+    log(f"SLOs scaled by {factor:.2f} (batch-1 decode step / {REFERENCE_TPOT_MS} ms)")
+    config = config.model_copy(update={"tiers": scaled_tiers(config, factor)})
+    ours = asyncio.run(run_deployment("tierserve", config, plan))
+    shared = asyncio.run(run_deployment("shared pool", shared_config(config), plan))
+    args.out.mkdir(parents=True, exist_ok=True)
+    report(ours, shared, factor, args.out)
+    summary = {t: [o.status for o in ours["overload"] if o.tier == t].count(429) for t in TIERS}
+    log(f"429s per tier under overload: {json.dumps(summary)}")
+
+
+if __name__ == "__main__":
+    main()
