@@ -29,7 +29,7 @@ VOCAB_LOW, VOCAB_HIGH = 1000, 40000  # ordinary BPE tokens, away from the specia
 
 
 def make_prompts(n: int, low: int, high: int, seed: int) -> list[list[int]]:
-    """`n` random-token prompts (ordinary BPE ids) of low..high tokens: nothing to cache or look up."""
+    """`n` random-token prompts (ordinary BPE ids) of low..high tokens: nothing to cache."""
     rng = random.Random(seed)
     return [
         [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(rng.randint(low, high))]

@@ -21,12 +21,12 @@ import time
 
 import torch
 
-from engine.quant.awq import DEFAULT_CALIBRATION_PATH
 from engine.config import EngineConfig, QuantConfig
 from engine.engine import LLMEngine
-from engine.quant.prepare import prepare_model
 from engine.model.packed_linear import PackedLinear
+from engine.quant.awq import DEFAULT_CALIBRATION_PATH
 from engine.quant.linear import QuantLinear
+from engine.quant.prepare import prepare_model
 from engine.sampling_params import SamplingParams
 from load.report import emit
 

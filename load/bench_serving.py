@@ -32,11 +32,11 @@ from typing import Any
 import httpx
 
 from app.config import TierserveConfig, load_config
-from load.local_cluster import serving
 from deployments.openai_api import ChatEndpoint
 from engine.config import default_cache_dir
 from engine.model.loader import load_tokenizer
 from engine.sampling_params import SamplingParams
+from load.local_cluster import serving
 from load.prompts import QUESTIONS, passage
 from load.report import emit, log, percentile
 

@@ -44,9 +44,9 @@ from pathlib import Path
 
 import torch
 
-from engine.model.chat import chat_prompt_ids
 from engine.config import EngineConfig, SpecDecodeConfig
 from engine.engine import LLMEngine
+from engine.model.chat import chat_prompt_ids
 from engine.sampling_params import SamplingParams
 from load.report import emit, log
 

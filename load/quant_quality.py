@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from engine.quant.awq import DEFAULT_CALIBRATION_PATH, calibration_token_ids
-from engine.model.chat import chat_prompt_ids
 from engine.config import EngineConfig, QuantConfig
+from engine.model.chat import chat_prompt_ids
 from engine.model.loader import load_model, resolve_model_dir
+from engine.quant.awq import DEFAULT_CALIBRATION_PATH, calibration_token_ids
 from engine.quant.prepare import quantize_model
 from load.report import emit
 

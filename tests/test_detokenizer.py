@@ -8,8 +8,8 @@ from engine_helpers import greedy, run_one
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.model.chat import chat_prompt_ids
 from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
+from engine.model.chat import chat_prompt_ids
 
 MULTIBYTE_TEXT = "Café 👋 naïve 世界! 🇫🇷 — déjà vu, 😀😀 end"
 PROMPT_TEXT = "Say something:"

@@ -16,9 +16,9 @@ from engine_helpers import (
 )
 
 from engine.async_engine import AsyncLLMEngine
-from engine.model.chat import chat_prompt_ids
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.model.chat import chat_prompt_ids
 from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
 

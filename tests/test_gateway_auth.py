@@ -199,7 +199,8 @@ def test_each_request_writes_one_log_line_to_the_replica_log(base_url: str) -> N
     request_id = response.headers["x-tierserve-request-id"]
     fields = request_log(request_id)
     assert fields["request_id"] == f"cmpl-{request_id}"
-    assert fields["tier"] == "standard" and fields["pool"] == "interactive"
+    # standard runs on the cheapest pool predicted to meet its SLO
+    assert fields["tier"] == "standard" and fields["pool"] == "offline"
     assert fields["model"] == MODEL and fields["status"] == "ok"
     assert (fields["prompt_tokens"], fields["output_tokens"]) == (len("secret words"), 3)
     assert fields["ttft_ms"] > 0 and fields["latency_ms"] >= fields["ttft_ms"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.kernels import paged_attention as kernels
 from engine.model import attention
 from engine.model.attention import AttentionMetadata, KernelGroup
-from engine.kernels import paged_attention as kernels
 
 BLOCK = 4
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from fakes import FakeEngine
 
-from engine.config import EngineConfig
 from deployments.pool import Pool
+from engine.config import EngineConfig
 
 
 @pytest.fixture

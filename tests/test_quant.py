@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import QuantConfig
+from engine.model.llama import LlamaForCausalLM, ModelArgs
 from engine.quant import awq, maths
 from engine.quant import checkpoint as quant_checkpoint
 from engine.quant import linear as quant
 from engine.quant.prepare import quantize_model
-from engine.config import QuantConfig
-from engine.model.llama import LlamaForCausalLM, ModelArgs
 
 torch.set_num_threads(1)
 

@@ -8,10 +8,10 @@ import json
 import torch
 
 from engine.config import EngineConfig, QuantConfig, default_cache_dir
-from engine.model.loader import resolve_model_dir
-from engine.quant.prepare import load_quantized_model, quantized_checkpoint_path
 from engine.model.llama import ModelArgs
+from engine.model.loader import resolve_model_dir
 from engine.quant.linear import QuantLinear
+from engine.quant.prepare import load_quantized_model, quantized_checkpoint_path
 
 
 def test_quantized_model_is_cached_and_reloads_identically(tmp_path) -> None:

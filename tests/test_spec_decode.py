@@ -13,9 +13,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from engine.model.chat import chat_prompt_ids
 from engine.config import EngineConfig, SpecDecodeConfig
 from engine.engine import LLMEngine
+from engine.model.chat import chat_prompt_ids
 from engine.outputs import EngineStats
 from engine.request import Request
 from engine.sampler import SampleRow, probs_for, verify
@@ -295,7 +295,7 @@ def computed_kv(engine: LLMEngine, request: Request) -> torch.Tensor:
     positions = torch.arange(request.num_computed_tokens)
     slots = torch.tensor(request.block_ids)[positions // size] * size + positions % size
     layers = [engine.runner.kv_caches[0], engine.runner.kv_caches[-1]]
-    return torch.stack([torch.stack([k_cache[slots], v_cache[slots]]) for k_cache, v_cache in layers])
+    return torch.stack([torch.stack([k[slots], v[slots]]) for k, v in layers])
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft4layers", "scripted"])
@@ -478,7 +478,8 @@ def test_speculator_skips_requests_it_cannot_verify_exactly():
     near_end = decoding("near-end", max_tokens=2)  # room for 1 draft plus the bonus token
     prefilling = Request("prefill", tokens, SamplingParams(max_tokens=16))
     proposals = speculator.propose([plain, penalised, min_tokens, near_end, prefilling])
-    drafts = {r: proposals[r].token_ids if r in proposals else [] for r in proposals | dict.fromkeys([penalised, min_tokens, prefilling])}
+    everyone = [plain, penalised, min_tokens, near_end, prefilling]
+    drafts = {r: proposals[r].token_ids if r in proposals else [] for r in everyone}
     assert drafts[plain] == [3, 1, 2]
     assert drafts[near_end] == [3]
     assert drafts[penalised] == drafts[min_tokens] == drafts[prefilling] == []
