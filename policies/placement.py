@@ -103,7 +103,7 @@ def _protect(
     """First token in time wherever possible; else refused, with the soonest pool's drain."""
     in_time = [n for n, p in open_pools.items() if p.ttft_s * 1000 <= tier.ttft_ms]
     if in_time:
-        best = min(in_time, key=lambda n: predictions[n].ttft_s)
+        best = min(in_time, key=lambda n: (n != tier.pool, predictions[n].ttft_s))
         reason = "slo" if _meets(tier, predictions[best]) else "overflow"
         return Placement(best, reason, predictions[best])
     soonest = min(predictions, key=lambda n: predictions[n].ttft_s)

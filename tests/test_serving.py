@@ -87,15 +87,18 @@ def test_stream_on_the_offline_pool_matches_the_speculating_pool(client: openai.
 
 @pytest.mark.parametrize(
     ("tier", "pool"),
-    [("interactive", "interactive"), ("standard", "interactive"), ("batch", "offline")],
-)
+    # interactive keeps to its own pool while it is idle; standard may take either (the
+    # cheaper one predicted to meet its SLO); batch runs only on offline
+    [("interactive", {"interactive"}), ("standard", {"interactive", "offline"}),
+     ("batch", {"offline"})],
+)  # fmt: skip
 def test_tier_header_routes_to_the_configured_pool(
-    client: openai.OpenAI, tier: str, pool: str
+    client: openai.OpenAI, tier: str, pool: set[str]
 ) -> None:
     raw = client.completions.with_raw_response.create(
         model=MODEL, prompt="Hello", max_tokens=1, extra_headers={"X-SLA-Tier": tier}
     )
-    assert raw.headers["x-tierserve-pool"] == pool
+    assert raw.headers["x-tierserve-pool"] in pool
     assert raw.parse().usage.completion_tokens == 1
 
 
