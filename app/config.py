@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, model_validator
 
-from deployments.config import IngressConfig
+from deployments.config import IngressConfig, require_at_least
 
 
 class TierserveConfig(IngressConfig):
@@ -27,11 +27,7 @@ class TierserveConfig(IngressConfig):
 
     @model_validator(mode="after")
     def _check_drain(self) -> TierserveConfig:
-        if self.graceful_shutdown_timeout_s < self.request_timeout_s:
-            raise ValueError(
-                f"graceful_shutdown_timeout_s ({self.graceful_shutdown_timeout_s}) must be at "
-                f"least request_timeout_s ({self.request_timeout_s})"
-            )
+        require_at_least(self, "graceful_shutdown_timeout_s", "request_timeout_s")
         return self
 
 

@@ -29,7 +29,6 @@ def autoscaling_config(settings: AutoscalingSettings, max_num_seqs: int) -> Auto
     return AutoscalingConfig(
         min_replicas=settings.min_replicas,
         max_replicas=settings.max_replicas,
-        target_ongoing_requests=settings.target_ongoing_requests,
         upscale_delay_s=settings.upscale_delay_s,
         downscale_delay_s=settings.downscale_delay_s,
         metrics_interval_s=settings.metrics_interval_s,

@@ -45,17 +45,10 @@ class AutoscalingSettings(_Strict):
     """How often each replica samples and reports its engine load (Serve's default is 10 s)."""
     look_back_period_s: float = Field(default=10.0, gt=0)
     """The window each replica's reported load is averaged over."""
-    target_ongoing_requests: float = Field(default=2, gt=0)
-    """Serve's own target for its default policy: unused by the engine-load policy (kept so
-    existing configs load)."""
 
     @model_validator(mode="after")
     def _check_bounds(self) -> AutoscalingSettings:
-        if self.max_replicas < self.min_replicas:
-            raise ValueError(
-                f"max_replicas ({self.max_replicas}) is below min_replicas "
-                f"({self.min_replicas}); raise max_replicas or lower min_replicas"
-            )
+        require_at_least(self, "max_replicas", "min_replicas")
         return self
 
 
@@ -99,8 +92,6 @@ class PoolConfig(_Strict):
     """Requests allowed to wait beyond the running batch before the gateway sheds load."""
     max_request_tokens: int | None = Field(default=None, ge=1)
     """Prompt + max_tokens above which overflowing tiers prefer their overflow pool."""
-    retry_after_s: int = Field(default=1, ge=1)
-    """`Retry-After` sent with a 429 when this pool sheds load."""
     price_per_replica_hour: float = Field(default=0.0, ge=0)
     """Used for the cost-per-1k-output-tokens metric."""
     cost_per_1k_tokens: float | None = Field(default=None, ge=0)
@@ -273,6 +264,13 @@ class IngressConfig(_Strict):
     def pool(self, name: str) -> PoolConfig:
         """The pool called `name` (names are checked at load)."""
         return next(p for p in self.pools if p.name == name)
+
+
+def require_at_least(model: BaseModel, field: str, floor: str) -> None:
+    """Raise ValueError unless `model.field >= model.floor`, naming both and their values."""
+    value, floor_value = getattr(model, field), getattr(model, floor)
+    if value < floor_value:
+        raise ValueError(f"{field} ({value}) must be at least {floor} ({floor_value})")
 
 
 def _require_unique(kind: str, names: list[str]) -> None:

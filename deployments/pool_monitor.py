@@ -140,9 +140,4 @@ def _mean_step_cost(stats: list[EngineStats]) -> StepCost:
     """The replicas' fitted step costs, averaged (zero before any replica reported)."""
     if not stats:
         return StepCost(0.0, 0.0, 0.0)
-    n = len(stats)
-    return StepCost(
-        base_s=sum(s.step_base_s for s in stats) / n,
-        per_seq_s=sum(s.step_per_seq_s for s in stats) / n,
-        per_token_s=sum(s.step_per_token_s for s in stats) / n,
-    )
+    return StepCost(*(sum(column) / len(stats) for column in zip(*(s.step_cost_s for s in stats))))

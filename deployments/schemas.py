@@ -148,13 +148,18 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    """A streamed chat chunk (`chat.completion.chunk`)."""
+class _Completion(BaseModel):
+    """What every completion object, whole or streamed, starts with."""
 
     id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+
+
+class ChatCompletionChunk(_Completion):
+    """A streamed chat chunk (`chat.completion.chunk`)."""
+
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
@@ -174,13 +179,10 @@ class ChatChoice(BaseModel):
     finish_reason: str | None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_Completion):
     """A whole (non-streamed) chat completion."""
 
-    id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -194,13 +196,10 @@ class CompletionChoice(BaseModel):
     logprobs: None = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_Completion):
     """Both the whole response and, streamed, each chunk (OpenAI uses one shape for both)."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 

@@ -257,7 +257,6 @@ class LLMEngine:
         recent = self._recent_tokens
         span = (recent[-1][0] - recent[0][0]) if len(recent) > 1 else 0.0
         rate = sum(n for _, n in recent) / span if span > 0 else 0.0
-        base_s, per_seq_s, per_token_s = self.step_cost.coefficients()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -270,9 +269,7 @@ class LLMEngine:
             num_generation_tokens=self.num_generation_tokens,
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
-            step_base_s=base_s,
-            step_per_seq_s=per_seq_s,
-            step_per_token_s=per_token_s,
+            step_cost_s=self.step_cost.coefficients(),
             **self._spec_stats(),
         )
 

@@ -54,24 +54,28 @@ class EngineStats:
     prefix_cache_hits: int
     """Of those, tokens found cached."""
     num_preemptions: int
+    """Requests preempted (KV blocks reclaimed, recomputed later) so far."""
     generation_tokens_per_s: float
     """Output tokens per second over a recent window."""
     num_prompt_tokens: int = 0
+    """Prompt tokens admitted so far (a counter, for metrics)."""
     num_generation_tokens: int = 0
+    """Output tokens produced so far."""
     max_num_seqs: int = 0
     """The batch cap this engine runs with (per replica)."""
     max_num_batched_tokens: int = 0
     """The per-step token budget."""
-    step_base_s: float = 0.0
-    """Fitted step cost (engine/step_cost.py): seconds a step costs regardless of size..."""
-    step_per_seq_s: float = 0.0
-    """...plus this per sequence in the batch..."""
-    step_per_token_s: float = 0.0
-    """...plus this per token computed (prefill chunks count their length)."""
+    step_cost_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Fitted step cost (engine/step_cost.py): a step takes base + per sequence in the
+    batch + per token computed (a prefill chunk counts its length), in seconds."""
     spec_num_drafts: int = 0
+    """Speculative steps that proposed at least one draft token."""
     spec_num_draft_tokens: int = 0
+    """Draft tokens proposed; with the next counter, the acceptance rate."""
     spec_num_accepted_tokens: int = 0
+    """Draft tokens the target model accepted."""
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    """Accepted drafts at each draft position: where acceptance falls off."""
 
     @property
     def prefix_cache_hit_rate(self) -> float:

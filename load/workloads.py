@@ -22,7 +22,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -87,8 +87,7 @@ CLASSIFY_INSTRUCTION = (
 )
 
 
-@dataclass(frozen=True)
-class Passage:
+class Passage(NamedTuple):
     """A help-centre article and a question it answers."""
 
     title: str

@@ -43,9 +43,6 @@ POOL = PoolConfig(
         downscale_delay_s=2.0,
         metrics_interval_s=0.25,
         look_back_period_s=1.0,
-        # Serve's default policy would need 100 ongoing requests per replica to scale:
-        # any scaling seen here is the engine-load policy's.
-        target_ongoing_requests=100,
     ),
 )
 NUM_REQUESTS = 8

@@ -12,14 +12,7 @@ from serve_harness import serving
 from app.config import TierserveConfig, load_config
 from load.soak import Outcome, SoakSettings, soak
 
-SETTINGS = SoakSettings(
-    duration_s=150.0,
-    concurrency=16,
-    max_requests=1_000,
-    max_tokens=4,
-    request_timeout_s=60.0,
-    settle_timeout_s=20.0,
-)
+SETTINGS = SoakSettings(duration_s=150.0, max_requests=1_000, max_tokens=4, settle_timeout_s=20.0)
 MAX_RSS_GROWTH_MB = 200.0
 
 
