@@ -140,4 +140,5 @@ def _mean_step_cost(stats: list[EngineStats]) -> StepCost:
     """The replicas' fitted step costs, averaged (zero before any replica reported)."""
     if not stats:
         return StepCost(0.0, 0.0, 0.0)
-    return StepCost(*(sum(column) / len(stats) for column in zip(*(s.step_cost_s for s in stats))))
+    columns = zip(*(s.step_cost_s for s in stats), strict=True)
+    return StepCost(*(sum(column) / len(stats) for column in columns))
