@@ -55,10 +55,8 @@ class AutoscalingSettings(_Strict):
 class RouterSettings(_Strict):
     """How a pool's request router picks a replica (deployments/request_router.py)."""
 
-    enabled: bool = False
-    """Off by default until a known hang is fixed: with it on, a completions request of
-    four sequences on one replica waited until its deadline in tests/test_serving_fake.py.
-    Off, Serve's default power-of-two router picks the replica."""
+    enabled: bool = True
+    """Off, Serve's default power-of-two router picks the replica."""
 
     stats_period_s: float = Field(default=1.0, gt=0)
     """How often Serve reads each replica's engine load for routing (Serve's default is 10 s)."""

@@ -10,7 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from ray.serve.config import RequestRouterConfig
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    FIFOMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
 from deployments.config import RouterSettings
 from deployments.pool import PoolRequest
@@ -42,7 +48,7 @@ def request_router_config(settings: RouterSettings, engine: EngineConfig) -> Req
     return RequestRouterConfig(**options)
 
 
-class PoolRequestRouter(RequestRouter):
+class PoolRequestRouter(FIFOMixin, RequestRouter):
     """Ranks a pool's replicas by free batch slots and KV use, keeping a shared prefix together.
 
     Each replica's load is its last routing stats, corrected upward by Serve's
@@ -52,6 +58,10 @@ class PoolRequestRouter(RequestRouter):
     replica that last served a key gets the next prompt with it while it is
     not overloaded (policies.replica_choice.rank_replicas). Control calls
     (stats, model info) take the replicas in turn instead.
+
+    FIFOMixin hands a replica found for one call to the oldest waiting call when
+    none matches its id: the sequences of one request (n > 1, several prompts)
+    share an id, and without it all but one would never be sent.
     """
 
     def initialize_state(  # type: ignore[override]
@@ -75,6 +85,12 @@ class PoolRequestRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         """Every candidate, in ranks best first: Serve tries each rank before the next."""
+        if pending_request is not None:
+            # Every replica is already a candidate, so when none takes the request Serve
+            # must back off before asking again. Left False (its default, meant for
+            # locality passes), Serve re-asks at once and, as this method never awaits,
+            # spins the event loop: queue-length probes time out and requests stall.
+            pending_request.routing_context.should_backoff = True
         request = _pool_request(pending_request)
         if request is None:
             return self._in_turn(candidate_replicas)
