@@ -103,6 +103,14 @@ class Job:
     """Why this pool: the predicted latency and whether the request was downgraded."""
 
     @property
+    def max_step_s(self) -> float | None:
+        """The time per token the pool must keep for this request: its tier's, unless the
+        tier queues rather than being protected (batch) or the request was downgraded."""
+        if self.tier.on_slo_miss == "queue" or self.placement.downgraded:
+            return None
+        return self.tier.tpot_ms / 1000
+
+    @property
     def num_reserved_tokens(self) -> int:
         """What the request may cost at most: every choice's prompt plus max_tokens."""
         prompt = sum(len(self.prompts[c.prompt_index]) for c in self.choices)
@@ -119,6 +127,7 @@ class Job:
                     prompt_token_ids=self.prompts[choice.prompt_index],
                     params=replace(self.params, seed=seed),
                     priority=self.tier.priority,
+                    max_step_s=self.max_step_s,
                 )
             )
         return requests

@@ -31,6 +31,7 @@ class Engine(Protocol):
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        max_step_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's output deltas; closing the stream aborts the request."""
 
@@ -52,6 +53,8 @@ class PoolRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
+    max_step_s: float | None = None
+    """Its tier's time per output token, when the pool is to keep it (None: no target)."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,11 @@ class Pool:
         this one, which is what frees the request's KV blocks.
         """
         stream = self._engine.generate(
-            request.prompt_token_ids, request.params, request.request_id, request.priority
+            request.prompt_token_ids,
+            request.params,
+            request.request_id,
+            request.priority,
+            request.max_step_s,
         )
         # Engines implement `generate` as an async generator; the engine annotates an iterator.
         async with aclosing(cast(AsyncGenerator[RequestOutput, None], stream)):

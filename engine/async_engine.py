@@ -56,6 +56,7 @@ class AsyncLLMEngine:
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        max_step_s: float | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's deltas; stopping iteration early aborts it.
 
@@ -67,7 +68,7 @@ class AsyncLLMEngine:
             raise RuntimeError("engine loop is dead") from self._error
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._send(("add", request_id, prompt_token_ids, params, priority))
+        self._send(("add", request_id, prompt_token_ids, params, priority, max_step_s))
         finished = False
         try:
             while not finished:
@@ -146,10 +147,15 @@ class AsyncLLMEngine:
             self._stats = self.engine.stats()
 
     def _add(
-        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        priority: int,
+        max_step_s: float | None,
     ) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params, priority)
+            self.engine.add_request(request_id, prompt, params, priority, max_step_s)
         except ValueError as exc:
             self._deliver(request_id, exc)
 

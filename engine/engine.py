@@ -59,10 +59,12 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(self.tokenizer)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(config)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.step_cost = StepCostModel()
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.step_cost
+        )
         self.runner = ModelRunner(self.model, num_blocks, config)
         self.speculator = _speculator(config, num_blocks)
-        self.step_cost = StepCostModel()
         self.requests: dict[str, _Tracked] = {}
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self.num_prompt_tokens = 0
@@ -105,12 +107,16 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        max_step_s: float | None = None,
     ) -> None:
-        """Queue a request (validated first; ValueError says what is wrong)."""
+        """Queue a request (validated first; ValueError says what is wrong). `max_step_s`
+        is its time-per-token target, which the scheduler keeps steps within."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         self.validate(prompt_token_ids, params)
-        request = Request(request_id, list(prompt_token_ids), params, priority, self.eos_token_ids)
+        request = Request(
+            request_id, list(prompt_token_ids), params, priority, max_step_s, self.eos_token_ids
+        )
         self.requests[request_id] = _Tracked(
             request=request,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),

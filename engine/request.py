@@ -37,6 +37,9 @@ class Request:
     params: SamplingParams
     priority: int = 0
     """Lower runs first (vLLM's convention)."""
+    max_step_s: float | None = None
+    """The time per output token this request was promised: while it runs, less urgent
+    work joins a step only as far as the step still fits in it (engine/scheduler.py)."""
     eos_token_ids: frozenset[int] = frozenset()
     """The model's end-of-sequence ids: they stop the request unless it ignores EOS."""
     arrival: int = 0

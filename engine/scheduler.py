@@ -9,6 +9,16 @@ When blocks run out, or a more urgent request waits on a full batch, the
 least urgent running request is preempted: its blocks are freed and it is
 recomputed from scratch later (with luck, from the prefix cache).
 
+Requests may carry a time-per-token target (`Request.max_step_s`). Their
+decodes are scheduled first and always run; the rest of the step (prefill
+chunks, decodes without a target) is kept within the tightest target among
+them, predicted by the engine's fitted step cost: a chunk is cut to what
+fits (a target's own prefill never below MIN_PREFILL_CHUNK), and work without
+a target joins only as far as the step still fits, and not at all while a
+more urgent request with a target waits. This is what lets an interactive
+request share a pool with a big batch, and a long prompt share a step with
+streams that are decoding.
+
 After the forward pass, `update` is the one place request state advances:
 computed tokens, naming full blocks for the prefix cache, appending sampled
 tokens up to a stop token or the length limit, rolling back rejected draft
@@ -28,9 +38,15 @@ from typing import TYPE_CHECKING
 from engine.kv_cache import KVCacheManager
 from engine.outputs import RunnerOutput
 from engine.request import Request, RequestStatus
+from engine.step_cost import StepCostModel
 
 if TYPE_CHECKING:
     from engine.spec_decode import Proposal
+
+
+MIN_PREFILL_CHUNK = 64
+"""Prompt tokens a request with a target computes per step at least, however tight the
+step: its first token must come, even on a machine too slow for its target."""
 
 
 @dataclass
@@ -55,10 +71,18 @@ class Scheduler:
     Owns the waiting queue and the running batch; never touches a tensor.
     """
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        step_cost: StepCostModel | None = None,
+    ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.step_cost = step_cost or StepCostModel()
+        """Predicts a step's seconds for time-per-token targets (the engine's live fit)."""
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -83,17 +107,18 @@ class Scheduler:
         self._make_room_for_urgent(out)
         # Decodes first: they cost one token (1 + k with drafts) each, and a long
         # prefill taking the whole budget must not stall everyone's next token.
-        for request in sorted(self.running, key=lambda r: (_is_prefilling(r), r.sort_key)):
-            budget = self.max_num_batched_tokens - out.total_tokens
-            if budget == 0:
-                break
+        # Requests with a time-per-token target go before those without.
+        for request in sorted(self.running, key=_step_order):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            budget = self._budget(request, out)
+            if budget == 0:
+                continue
             num_new = self._reserve(request, budget, out)
             if num_new:
                 out.num_new_tokens[request] = num_new
         while self.waiting and len(self.running) < self.max_num_seqs:
-            budget = self.max_num_batched_tokens - out.total_tokens
+            budget = self._budget(self.waiting[0], out)
             if budget == 0 or self.waiting[0] in out.preempted:
                 break  # a request evicted for room this step would only thrash
             if self._admit(self.waiting[0], budget, out) == 0:
@@ -171,6 +196,27 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
+    def _budget(self, request: Request, out: SchedulerOutput) -> int:
+        """Tokens `request` may compute this step: what is left of the token budget, cut
+        to what keeps the step within the targets decoding in it (see the module docstring)."""
+        budget = self.max_num_batched_tokens - out.total_tokens
+        if budget == 0 or request.max_step_s is not None and not _is_prefilling(request):
+            return budget  # a target's own decode always runs
+        if request.max_step_s is None and self._target_waits_ahead_of(request):
+            return 0
+        step_limit_s = _step_limit_s(out)
+        if step_limit_s is None:
+            return budget
+        in_time = self.step_cost.tokens_within(
+            step_limit_s, len(out.num_new_tokens) + 1, out.total_tokens
+        )
+        floor = MIN_PREFILL_CHUNK if request.max_step_s is not None else 0
+        return min(budget, max(in_time, floor))
+
+    def _target_waits_ahead_of(self, request: Request) -> bool:
+        """A more urgent request with a target is waiting: it takes this step's room."""
+        return any(r.max_step_s is not None and r.priority < request.priority for r in self.waiting)
+
     def _make_room_for_urgent(self, out: SchedulerOutput) -> None:
         """A full batch yields its least urgent member to a strictly higher priority."""
         while (
@@ -238,6 +284,17 @@ class Scheduler:
         out.num_new_tokens.pop(request, None)
         out.preempted.append(request)
         self._enqueue(request)  # keeps its arrival: it goes back to its place in line
+
+
+def _step_limit_s(out: SchedulerOutput) -> float | None:
+    """The tightest target among the requests decoding in this step so far (None: none)."""
+    targets = [r.max_step_s for r in out.num_new_tokens if r.max_step_s and not _is_prefilling(r)]
+    return min(targets, default=None)
+
+
+def _step_order(request: Request) -> tuple[bool, bool, tuple[int, int]]:
+    """Requests with a target first, then decodes before prefills, then priority and arrival."""
+    return (request.max_step_s is None, _is_prefilling(request), request.sort_key)
 
 
 def _is_prefilling(request: Request) -> bool:

@@ -43,6 +43,15 @@ class StepCostModel:
         self._p = [[(self._p[i][j] - gain[i] * px[j]) / forget for j in range(3)] for i in range(3)]
         self.num_observations += 1
 
+    def tokens_within(self, limit_s: float, num_seqs: int, num_tokens: int) -> int:
+        """How many more tokens a step of `num_seqs` sequences already computing `num_tokens`
+        can take and still be predicted to last at most `limit_s` (0 when none)."""
+        base, per_seq, per_token = self.coefficients()
+        spare_s = limit_s - (base + per_seq * num_seqs + per_token * num_tokens)
+        if spare_s <= 0:
+            return 0
+        return int(spare_s / per_token) if per_token > 0 else 2**31
+
     def coefficients(self) -> tuple[float, float, float]:
         """(base, per-sequence, per-token) seconds, each kept non-negative: more work
         never makes a step faster."""

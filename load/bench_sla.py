@@ -276,6 +276,9 @@ def report(ours: dict[str, Any], shared: dict[str, Any], factor: float, out: Pat
         emit(BENCH, "ratio.cost_per_1k.offline_vs_interactive", ratio, "x", **extra, **costs)
     _report_prediction_error(outcomes, extra)
     _plot(ours["rates"], shared["rates"], out / "sla_goodput_vs_load.png")
+    with open(out / "sla_overload_requests.jsonl", "w") as f:  # for reading misses one by one
+        for outcome in outcomes:
+            f.write(json.dumps(dataclasses.asdict(outcome)) + "\n")
 
 
 def _report_load_sweep(ours: dict[float, float], shared: dict[float, float], extra: dict) -> None:
@@ -297,6 +300,9 @@ def _report_prediction_error(outcomes: list[Outcome], extra: dict) -> None:
         if o.ttft_s is not None and o.predicted_ttft_ms is not None
     ]
     if errors:
+        signed = [o.ttft_s * 1000 - o.predicted_ttft_ms for o in outcomes
+                  if o.ttft_s is not None and o.predicted_ttft_ms is not None]  # fmt: skip
+        emit(BENCH, "prediction_bias_ms.ttft.p50", percentile(signed, 50), "ms", **extra)
         for q in (50, 95):
             emit(BENCH, f"prediction_error_ms.ttft.p{q}", percentile(errors, q), "ms",
                  n=len(errors), **extra)  # fmt: skip

@@ -3,19 +3,24 @@
 The model follows the engine's scheduler (engine/scheduler.py): sequences of
 a more urgent or equal priority are served first, so only they delay a new
 request's slot and its prefill; every running sequence, whatever its
-priority, shares the decode steps and so sets the time per token. A step
-costs `base + per_seq * sequences + per_token * tokens` seconds, fitted online
-by each engine (engine/step_cost.py). Work spreads evenly over replicas.
+priority, shares the decode steps and so sets the time per token, except
+that a request with a time-per-token target keeps less urgent work out of
+the steps that would overrun it. A step costs
+`base + per_seq * sequences + per_token * tokens` seconds, fitted online by
+each engine (engine/step_cost.py). Work spreads evenly over replicas.
 
-    slot wait   = finishes needed / slots * remaining tokens of a decode * TPOT
+    slot wait   = the sequences ahead take the slots in order, each for its
+                  remaining tokens at TPOT; the wait ends when the next one frees
     prefill     = steps to compute the prompts ahead and this one, each a step with
                   the decodes riding along and a chunk of the budget for prefill
     TTFT        = slot wait + prefill
-    TPOT        = one decode step at the batch the request will run in
+    TPOT        = one decode step at the batch the request will run in; with a
+                  target, less urgent sequences join only up to it
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,15 +88,20 @@ class Prediction:
     """Sequences of equal or more urgent priority already in flight."""
 
 
-def predict(pool: PoolState, priority: int, num_prompt_tokens: int) -> Prediction:
-    """TTFT and TPOT of a new request of `priority` with a `num_prompt_tokens` prompt."""
+def predict(
+    pool: PoolState, priority: int, num_prompt_tokens: int, tpot_target_s: float | None = None
+) -> Prediction:
+    """TTFT and TPOT of a new request of `priority` with a `num_prompt_tokens` prompt, which
+    the engine is to keep within `tpot_target_s` per token (None: no target)."""
     ahead = [s for s in pool.in_flight if s.priority <= priority]
-    replicas = max(1, pool.num_replicas)
-    batch = min(pool.max_num_seqs, math.ceil((len(pool.in_flight) + 1) / replicas))
+    batch = _batch(pool, len(pool.in_flight) + 1)
     tpot_s = pool.cost.step_s(batch, batch)
+    if tpot_target_s is not None:  # less urgent work rides along only up to the target
+        urgent_batch = _batch(pool, len(ahead) + 1)
+        tpot_s = max(pool.cost.step_s(urgent_batch, urgent_batch), min(tpot_s, tpot_target_s))
     wait_s = _slot_wait_s(pool, ahead, tpot_s)
     prefill_tokens = num_prompt_tokens + sum(s.num_prompt_tokens for s in ahead if not s.prefilled)
-    prefill_s = _prefill_s(pool, math.ceil(prefill_tokens / replicas), batch)
+    prefill_s = _prefill_s(pool, math.ceil(prefill_tokens / max(1, pool.num_replicas)), batch)
     return Prediction(ttft_s=wait_s + prefill_s, tpot_s=tpot_s, num_ahead=len(ahead))
 
 
@@ -103,12 +113,25 @@ def drain_s(pool: PoolState, num_sequences: int) -> float:
     return num_sequences / pool.num_slots * _mean_remaining(pool.in_flight) * tpot_s
 
 
+def _batch(pool: PoolState, num_sequences: int) -> int:
+    """Sequences per replica's step when `num_sequences` spread over the pool."""
+    return min(pool.max_num_seqs, math.ceil(num_sequences / max(1, pool.num_replicas)))
+
+
 def _slot_wait_s(pool: PoolState, ahead: Sequence[InFlight], tpot_s: float) -> float:
-    """Until enough sequences ahead finish to free a batch slot (0 when one is free)."""
-    num_finishes = len(ahead) + 1 - pool.num_slots
-    if num_finishes <= 0:
+    """Until a batch slot frees for the new request (0 when one is free now).
+
+    The sequences ahead hold the slots in arrival order: the first `num_slots`
+    run, each later one takes the slot that frees first. Sequences that
+    started together finish together, which a mean over them would miss.
+    """
+    if len(ahead) < pool.num_slots:
         return 0.0
-    return num_finishes / pool.num_slots * _mean_remaining(ahead) * tpot_s
+    finish_s = [s.num_remaining_tokens * tpot_s for s in ahead[: pool.num_slots]]
+    heapq.heapify(finish_s)
+    for queued in ahead[pool.num_slots :]:
+        heapq.heappush(finish_s, heapq.heappop(finish_s) + queued.num_remaining_tokens * tpot_s)
+    return finish_s[0]
 
 
 def _prefill_s(pool: PoolState, num_tokens: int, batch: int) -> float:

@@ -67,6 +67,7 @@ class FakeEngine:
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        max_step_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one token per delay, as the engine's deltas."""
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:

@@ -3,6 +3,7 @@ tierserve's models for the app args, and the RayService's required structure."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -43,10 +44,30 @@ def test_rayservice_has_the_structure_kuberay_requires() -> None:
     assert rayservice["apiVersion"] == "ray.io/v1" and rayservice["kind"] == "RayService"
     cluster = rayservice["spec"]["rayClusterConfig"]
     assert cluster["headGroupSpec"]["template"]["spec"]["containers"]
-    (workers,) = cluster["workerGroupSpecs"]
-    assert workers["groupName"] and workers["template"]["spec"]["containers"]
-    gpu_limit = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
-    assert gpu_limit["nvidia.com/gpu"] == "1"
+    for workers in cluster["workerGroupSpecs"]:
+        assert workers["groupName"] and workers["template"]["spec"]["containers"]
+        gpu_limit = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert gpu_limit["nvidia.com/gpu"] == "1"
+
+
+def test_rayservice_worker_groups_autoscale_within_their_pools_replica_limits() -> None:
+    rayservice = yaml.safe_load((CONFIGS / "kuberay" / "rayservice.yaml").read_text())
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    groups = {
+        resource: group
+        for group in cluster["workerGroupSpecs"]
+        for resource in json.loads(json.loads(group["rayStartParams"]["resources"]))
+    }
+    _, args = _http_timeout_and_args("kuberay")
+    for pool in TierserveConfig.model_validate(args).pools:
+        (resource,) = pool.resources  # each replica needs its group's resource...
+        group = groups[resource]
+        assert pool.autoscaling is not None
+        assert group["minReplicas"] == pool.autoscaling.min_replicas  # ...one pod per replica
+        assert group["maxReplicas"] == pool.autoscaling.max_replicas
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert int(limits["nvidia.com/gpu"]) >= pool.num_gpus
 
 
 def test_local_pools_fit_two_cpus() -> None:

@@ -56,8 +56,27 @@ def test_a_full_batch_makes_a_new_request_wait_for_slots():
     full = pool("fast", decoding(0, 4, remaining=40))
     p = predict(full, priority=0, num_prompt_tokens=10)
     free = predict(pool("fast", decoding(0, 3, remaining=40)), priority=0, num_prompt_tokens=10)
-    # One finish is needed: 1/4 of a remaining-40-token decode at batch 4.
-    assert p.ttft_s - free.ttft_s == pytest.approx(40 / 4 * COST.step_s(4, 4), rel=1e-6)
+    # All four started together: the first slot frees when they all finish.
+    assert p.ttft_s - free.ttft_s == pytest.approx(40 * COST.step_s(4, 4), rel=1e-6)
+
+
+def test_queued_sequences_take_the_slots_that_free_first():
+    running = [InFlight(0, 10, remaining, prefilled=True) for remaining in (10, 20, 30, 40)]
+    queued = [InFlight(0, 10, 50, prefilled=False)]
+    p = predict(pool("fast", running + queued), priority=0, num_prompt_tokens=10)
+    # The queued one takes the slot freed after 10 tokens; this request the next, after 20.
+    prefill_s = COST.step_s(4, 3 + 20)  # both prompts computed beside 3 decodes
+    assert p.ttft_s == pytest.approx(20 * p.tpot_s + prefill_s, rel=1e-6)
+
+
+def test_a_target_keeps_less_urgent_work_out_of_the_time_per_token():
+    bulk = pool("bulk", decoding(2, 60), max_num_seqs=64)
+    untargeted = predict(bulk, priority=0, num_prompt_tokens=10)
+    targeted = predict(bulk, priority=0, num_prompt_tokens=10, tpot_target_s=0.025)
+    assert untargeted.tpot_s == pytest.approx(COST.step_s(61, 61))
+    assert targeted.tpot_s == pytest.approx(0.025)
+    tight = predict(bulk, priority=0, num_prompt_tokens=10, tpot_target_s=0.001)
+    assert tight.tpot_s == pytest.approx(COST.step_s(1, 1))  # out of reach: alone at best
 
 
 def test_replicas_share_the_load():

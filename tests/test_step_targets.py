@@ -1,0 +1,102 @@
+"""Time-per-token targets in the scheduler: a request with a target shares a step only as far
+as the step, predicted by the step-cost fit, stays within it."""
+
+from __future__ import annotations
+
+from test_scheduler import FakeModel, make_scheduler, scheduled
+
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import MIN_PREFILL_CHUNK, Scheduler
+from engine.step_cost import StepCostModel
+
+BASE_S, PER_SEQ_S, PER_TOKEN_S = 0.010, 0.001, 0.001
+TARGET_S = 0.020
+
+
+def fitted_cost() -> StepCostModel:
+    """A step-cost fit trained on exact synthetic steps: base 10 ms, 1 ms per seq and token."""
+    model = StepCostModel()
+    for num_seqs in range(1, 9):
+        for num_tokens in (num_seqs, num_seqs + 40, num_seqs + 200):
+            model.observe(
+                num_seqs, num_tokens, BASE_S + PER_SEQ_S * num_seqs + PER_TOKEN_S * num_tokens
+            )
+    return model
+
+
+def with_cost(**kwargs) -> Scheduler:
+    scheduler = make_scheduler(**kwargs)
+    scheduler.step_cost = fitted_cost()
+    return scheduler
+
+
+def request(name: str, prompt_len: int, priority: int, target_s: float | None) -> Request:
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    return Request(name, list(range(1, prompt_len + 1)), params, priority, target_s)
+
+
+def predicted_s(scheduler: Scheduler, tokens: dict[str, int]) -> float:
+    base, per_seq, per_token = scheduler.step_cost.coefficients()
+    return base + per_seq * len(tokens) + per_token * sum(tokens.values())
+
+
+def test_fit_recovers_the_synthetic_step_cost():
+    base, per_seq, per_token = fitted_cost().coefficients()
+    assert abs(base - BASE_S) < 1e-4 and abs(per_seq - PER_SEQ_S) < 1e-4
+    assert abs(per_token - PER_TOKEN_S) < 1e-4
+
+
+def test_batch_decodes_join_a_target_only_while_the_step_fits_it():
+    scheduler = with_cost(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64)
+    model = FakeModel(scheduler)
+    for i in range(6):
+        scheduler.add(request(f"batch{i}", 2, priority=2, target_s=None))
+    model.step()  # every batch request prefilled: all decode from now on
+    scheduler.add(request("chat", 2, priority=0, target_s=TARGET_S))
+    model.step()  # chat admitted (its prefill); now it decodes too
+    tokens = scheduled(model.step())
+    assert "chat" in tokens
+    assert predicted_s(scheduler, tokens) <= TARGET_S + 1e-4
+    assert 1 <= len(tokens) - 1 < 6, "some, not all, batch decodes ride along"
+
+
+def test_without_targets_every_decode_runs():
+    scheduler = with_cost(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64)
+    model = FakeModel(scheduler)
+    for i in range(6):
+        scheduler.add(request(f"batch{i}", 2, priority=2, target_s=None))
+    model.step()
+    assert len(scheduled(model.step())) == 6
+
+
+def test_an_urgent_request_with_a_target_waiting_takes_the_step_from_batch_decodes():
+    scheduler = with_cost(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64)
+    model = FakeModel(scheduler)
+    for i in range(3):
+        scheduler.add(request(f"batch{i}", 2, priority=2, target_s=None))
+    model.step()
+    scheduler.add(request("chat", 30, priority=0, target_s=TARGET_S))
+    assert scheduled(model.step()) == {"chat": 30}
+
+
+def test_a_long_prompt_beside_decoding_streams_is_cut_to_the_streams_target():
+    scheduler = with_cost(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=512)
+    model = FakeModel(scheduler)
+    for i in range(3):
+        scheduler.add(request(f"stream{i}", 2, priority=0, target_s=0.2))
+    model.step()
+    scheduler.add(request("document", 400, priority=0, target_s=0.2))
+    tokens = scheduled(model.step())
+    assert {f"stream{i}" for i in range(3)} <= tokens.keys()
+    assert MIN_PREFILL_CHUNK <= tokens["document"] < 400
+    assert predicted_s(scheduler, tokens) <= 0.2 + 1e-3
+
+
+def test_a_prefill_keeps_its_floor_when_the_target_is_out_of_reach():
+    scheduler = with_cost(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=512)
+    model = FakeModel(scheduler)
+    scheduler.add(request("stream", 2, priority=0, target_s=0.001))  # faster than any step
+    model.step()
+    scheduler.add(request("document", 400, priority=0, target_s=0.001))
+    assert scheduled(model.step()) == {"stream": 1, "document": MIN_PREFILL_CHUNK}
