@@ -7,8 +7,11 @@ its own (latency-tuned) pool while that meets them. When none is, the tier's
 
 - `protect` (interactive): run wherever the first token is predicted in time,
   even if the pool is busy with other tiers' work (the engine schedules the
-  request ahead of them); refuse only when this tier's own demand is more
-  than the deployment can serve in time.
+  request ahead of them and keeps its time per token); refuse only when this
+  tier's own demand is more than the deployment can serve in time. A pool
+  whose steps are too slow for the tier's TPOT even when idle is no place
+  for it, unless no pool is fast enough (the hardware is below the SLO: the
+  first token is all that can be kept).
 - `downgrade` (standard): run on the overflow pool without the SLO, and say so.
 - `queue` (batch): wait on its pool.
 
@@ -102,7 +105,12 @@ def _protect(
     jitter: float,
 ) -> Placement:
     """First token in time wherever possible; else refused, with the soonest pool's drain."""
-    in_time = [n for n, p in open_pools.items() if p.ttft_s * 1000 <= tier.ttft_ms]
+    fast_enough = [n for n in predictions if _idle_tpot_ms(pools[n]) <= tier.tpot_ms]
+    in_time = [
+        n
+        for n, p in open_pools.items()
+        if p.ttft_s * 1000 <= tier.ttft_ms and (n in fast_enough or not fast_enough)
+    ]
     if in_time:
         best = min(in_time, key=lambda n: (n != tier.pool, predictions[n].ttft_s))
         reason = "slo" if _meets(tier, predictions[best]) else "overflow"
@@ -143,6 +151,11 @@ def _queue_ahead(pool: PoolState, prediction: Prediction, num_sequences: int = 1
     """How far past the queue limit the request's sequences would wait (0: within it)."""
     waiting = max(0, prediction.num_ahead + num_sequences - pool.num_slots)
     return max(0, waiting - pool.max_queued)
+
+
+def _idle_tpot_ms(pool: PoolState) -> float:
+    """A pool's time per token with one sequence: the best it can do for anyone."""
+    return pool.cost.step_s(1, 1) * 1000
 
 
 def _meets(tier: Tier, prediction: Prediction) -> bool:

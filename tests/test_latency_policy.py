@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from policies.latency import InFlight, PoolState, StepCost, drain_s, predict
@@ -141,6 +143,16 @@ def test_interactive_is_shed_only_when_its_own_demand_is_too_much():
     decision = place(INTERACTIVE, RequestShape(50, 64), pools)
     assert decision.pool is None and decision.reason == "shed_slo"
     assert decision.retry_after_s is not None and decision.retry_after_s >= 1
+
+
+def test_a_pool_too_slow_for_the_tpot_even_idle_takes_no_protected_overflow():
+    slow = StepCost(base_s=0.040, per_seq_s=0.001, per_token_s=0.0005)  # 41.5 ms idle > 25
+    full_fast = pool("fast", decoding(0, 4, remaining=500), max_queued=0)
+    pools = {"fast": full_fast, "bulk": replace(pool("bulk", max_num_seqs=64), cost=slow)}
+    assert place(INTERACTIVE, RequestShape(50, 64), pools).pool is None
+    # When no pool is fast enough (hardware below the SLO), the first token is what counts.
+    slow_both = {name: replace(p, cost=slow) for name, p in pools.items()}
+    assert place(INTERACTIVE, RequestShape(50, 64), slow_both).pool == "bulk"
 
 
 def test_retry_after_jitter_spreads_refused_clients():
