@@ -45,6 +45,8 @@ LENGTHS = (200, 800, 2000)
 GEMM_TOKENS = 800
 NUM_DECODE_STREAMS = 3
 LONG_PROMPT = 2000
+DECODE_TOKENS = 600
+"""Enough for the streams to keep decoding through the long prefill, however it is chunked."""
 
 
 def cold_ttft_ms(engine: LLMEngine, prompts: list[list[int]]) -> float:
@@ -106,7 +108,7 @@ def decode_itl_ms(
     """Inter-token gaps of NUM_DECODE_STREAMS decoding streams: while a LONG_PROMPT-token
     prompt is prefilled beside them, or over as many steps alone. Every request carries
     `max_step_s` as its time-per-token target, as the ingress sends the tier's."""
-    params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0, ignore_eos=True)
     streams = [f"decode-{i}-{time.perf_counter()}" for i in range(NUM_DECODE_STREAMS)]
     for request_id, prompt in zip(streams, make_prompts(3, 100, 100, seed=7), strict=True):
         engine.add_request(request_id, prompt, params, max_step_s=max_step_s)

@@ -11,7 +11,9 @@ its own (latency-tuned) pool while that meets them. When none is, the tier's
   tier's own demand is more than the deployment can serve in time. A pool
   whose steps are too slow for the tier's TPOT even when idle is no place
   for it, unless no pool is fast enough (the hardware is below the SLO: the
-  first token is all that can be kept).
+  first token is all that can be kept). A prompt too long for the TTFT even
+  on an idle pool is in time if it waits no longer than it computes: at most
+  twice its idle TTFT.
 - `downgrade` (standard): run on the overflow pool without the SLO, and say so.
 - `queue` (batch): wait on its pool.
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from policies.latency import PoolState, Prediction, drain_s, predict
 from policies.tiers import Tier
@@ -109,7 +111,8 @@ def _protect(
     in_time = [
         n
         for n, p in open_pools.items()
-        if p.ttft_s * 1000 <= tier.ttft_ms and (n in fast_enough or not fast_enough)
+        if p.ttft_s * 1000 <= _ttft_limit_ms(tier, shape, pools[n])
+        and (n in fast_enough or not fast_enough)
     ]
     if in_time:
         best = min(in_time, key=lambda n: (n != tier.pool, predictions[n].ttft_s))
@@ -120,7 +123,7 @@ def _protect(
     pool = pools[soonest]
     # Until this tier's own backlog has drained enough for a first token in time.
     backlog = drain_s(pool, _queue_ahead(pool, prediction, shape.num_sequences))
-    wait_s = max(prediction.ttft_s - tier.ttft_ms / 1000, backlog)
+    wait_s = max(prediction.ttft_s - _ttft_limit_ms(tier, shape, pool) / 1000, backlog)
     return _refuse(prediction, "shed_slo", wait_s, jitter)
 
 
@@ -151,6 +154,12 @@ def _queue_ahead(pool: PoolState, prediction: Prediction, num_sequences: int = 1
     """How far past the queue limit the request's sequences would wait (0: within it)."""
     waiting = max(0, prediction.num_ahead + num_sequences - pool.num_slots)
     return max(0, waiting - pool.max_queued)
+
+
+def _ttft_limit_ms(tier: Tier, shape: RequestShape, pool: PoolState) -> float:
+    """The tier's TTFT, or twice the prompt's TTFT on the idle pool when that is longer."""
+    idle = predict(replace(pool, in_flight=()), tier.priority, shape.num_prompt_tokens)
+    return max(tier.ttft_ms, 2 * idle.ttft_s * 1000)
 
 
 def _idle_tpot_ms(pool: PoolState) -> float:

@@ -155,6 +155,16 @@ def test_a_pool_too_slow_for_the_tpot_even_idle_takes_no_protected_overflow():
     assert place(INTERACTIVE, RequestShape(50, 64), slow_both).pool == "bulk"
 
 
+def test_a_prompt_too_long_for_the_ttft_even_idle_is_served_unless_it_would_wait_long():
+    long_prompt = RequestShape(2000, 64)  # 8 chunks of 256, about 5 s alone: over 400 ms
+    slow = replace(pool("fast"), cost=StepCost(base_s=0.1, per_seq_s=0.001, per_token_s=0.002))
+    pools = {"fast": slow, "bulk": replace(slow, name="bulk")}
+    idle = place(INTERACTIVE, long_prompt, pools)
+    assert idle.pool == "fast" and idle.prediction.ttft_s > INTERACTIVE.ttft_ms / 1000
+    busy = {n: replace(p, in_flight=tuple(decoding(0, 4, remaining=500))) for n, p in pools.items()}
+    assert place(INTERACTIVE, long_prompt, busy).pool is None
+
+
 def test_retry_after_jitter_spreads_refused_clients():
     pools = {"bulk": pool("bulk", decoding(2, 9, remaining=2000), max_queued=4)}
     low, high = (
