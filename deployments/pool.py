@@ -16,6 +16,7 @@ from ray import serve
 
 from engine.config import EngineConfig
 from engine.outputs import EngineStats, RequestOutput
+from engine.request import DEFAULT_URGENCY, Urgency
 from engine.sampling_params import SamplingParams
 
 
@@ -30,8 +31,7 @@ class Engine(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str,
-        priority: int = 0,
-        max_step_s: float | None = None,
+        urgency: Urgency = DEFAULT_URGENCY,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's output deltas; closing the stream aborts the request."""
 
@@ -110,8 +110,7 @@ class Pool:
             request.prompt_token_ids,
             request.params,
             request.request_id,
-            request.priority,
-            request.max_step_s,
+            Urgency(request.priority, request.max_step_s),
         )
         # Engines implement `generate` as an async generator; the engine annotates an iterator.
         async with aclosing(cast(AsyncGenerator[RequestOutput, None], stream)):

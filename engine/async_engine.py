@@ -24,6 +24,7 @@ from collections.abc import AsyncGenerator
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import EngineStats, RequestOutput
+from engine.request import DEFAULT_URGENCY, Urgency
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,7 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str,
-        priority: int = 0,
-        max_step_s: float | None = None,
+        urgency: Urgency = DEFAULT_URGENCY,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's deltas; stopping iteration early aborts it.
 
@@ -68,7 +68,7 @@ class AsyncLLMEngine:
             raise RuntimeError("engine loop is dead") from self._error
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._send(("add", request_id, prompt_token_ids, params, priority, max_step_s))
+        self._send(("add", request_id, prompt_token_ids, params, urgency))
         finished = False
         try:
             while not finished:
@@ -147,15 +147,10 @@ class AsyncLLMEngine:
             self._stats = self.engine.stats()
 
     def _add(
-        self,
-        request_id: str,
-        prompt: list[int],
-        params: SamplingParams,
-        priority: int,
-        max_step_s: float | None,
+        self, request_id: str, prompt: list[int], params: SamplingParams, urgency: Urgency
     ) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params, priority, max_step_s)
+            self.engine.add_request(request_id, prompt, params, *urgency)
         except ValueError as exc:
             self._deliver(request_id, exc)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.sampling_params import SamplingParams
 
@@ -26,6 +27,19 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class Urgency(NamedTuple):
+    """How soon a request must be served: its priority and its time-per-token target."""
+
+    priority: int = 0
+    """Lower runs first (vLLM's convention)."""
+    max_step_s: float | None = None
+    """Seconds per output token it was promised (None: no target); see Request.max_step_s."""
+
+
+DEFAULT_URGENCY = Urgency()
+"""Priority 0, no time-per-token target."""
 
 
 @dataclass(eq=False)

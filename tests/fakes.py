@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.outputs import EngineStats, RequestOutput
+from engine.request import DEFAULT_URGENCY, Urgency
 from engine.sampling_params import SamplingParams
 
 TOKEN_DELAY_S = 0.005
@@ -66,8 +67,7 @@ class FakeEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str,
-        priority: int = 0,
-        max_step_s: float | None = None,
+        urgency: Urgency = DEFAULT_URGENCY,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one token per delay, as the engine's deltas."""
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:

@@ -47,12 +47,18 @@ def test_fit_recovers_the_synthetic_step_cost():
     assert abs(per_token - PER_TOKEN_S) < 1e-4
 
 
-def test_batch_decodes_join_a_target_only_while_the_step_fits_it():
+def batch_decoding(num_requests: int) -> tuple[Scheduler, FakeModel]:
+    """A scheduler whose `num_requests` batch requests (no target) have prefilled."""
     scheduler = with_cost(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64)
     model = FakeModel(scheduler)
-    for i in range(6):
+    for i in range(num_requests):
         scheduler.add(request(f"batch{i}", 2, priority=2, target_s=None))
     model.step()  # every batch request prefilled: all decode from now on
+    return scheduler, model
+
+
+def test_batch_decodes_join_a_target_only_while_the_step_fits_it():
+    scheduler, model = batch_decoding(6)
     scheduler.add(request("chat", 2, priority=0, target_s=TARGET_S))
     model.step()  # chat admitted (its prefill); now it decodes too
     tokens = scheduled(model.step())
@@ -62,20 +68,12 @@ def test_batch_decodes_join_a_target_only_while_the_step_fits_it():
 
 
 def test_without_targets_every_decode_runs():
-    scheduler = with_cost(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64)
-    model = FakeModel(scheduler)
-    for i in range(6):
-        scheduler.add(request(f"batch{i}", 2, priority=2, target_s=None))
-    model.step()
+    _, model = batch_decoding(6)
     assert len(scheduled(model.step())) == 6
 
 
 def test_an_urgent_request_with_a_target_waiting_takes_the_step_from_batch_decodes():
-    scheduler = with_cost(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64)
-    model = FakeModel(scheduler)
-    for i in range(3):
-        scheduler.add(request(f"batch{i}", 2, priority=2, target_s=None))
-    model.step()
+    scheduler, model = batch_decoding(3)
     scheduler.add(request("chat", 30, priority=0, target_s=TARGET_S))
     assert scheduled(model.step()) == {"chat": 30}
 
