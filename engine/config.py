@@ -93,6 +93,10 @@ class EngineConfig:
     num_threads: int | None = None
     """torch intra-op threads, applied by the process owner (engine.process.configure_process);
     None leaves torch's default."""
+    calibrate_step_cost: bool = False
+    """Time a few throwaway steps at start-up (batch 1, a full batch, a full prefill chunk) so
+    the step-cost fit, and the latency predictions made from it, start from this machine's
+    numbers instead of a prior. Pools turn it on; it costs a few steps of start-up time."""
     stall_timeout_s: float = 120.0
     """A step running longer than this while work waits marks the engine unhealthy (a
     wedged forward pass): the pool's health check then fails and Serve replaces it."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from engine.step_cost import StepCostModel
 log = logging.getLogger(__name__)
 
 _RATE_WINDOW_S = 10.0
+CALIBRATION_STEPS = 4
+"""Output tokens of each start-up calibration request (EngineConfig.calibrate_step_cost)."""
 
 
 @dataclass
@@ -69,6 +72,8 @@ class LLMEngine:
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        if config.calibrate_step_cost:
+            self._calibrate_step_cost()
 
     def _blocks_for_memory(self, config: EngineConfig) -> int:
         per_block = ModelRunner.bytes_per_block(self.model, config.block_size, config.torch_dtype)
@@ -124,6 +129,30 @@ class LLMEngine:
         )
         self.num_prompt_tokens += len(prompt_token_ids)
         self.scheduler.add(request)
+
+    def _calibrate_step_cost(self) -> None:
+        """Run throwaway requests shaped to pin the fit's three terms: one sequence alone
+        (base), a full batch of decodes (per sequence), a full prefill chunk (per token).
+        Only the fit keeps a trace: the counters are reset after."""
+        rng = random.Random(0)
+        vocab = self.model.args.vocab_size
+        params = SamplingParams(max_tokens=CALIBRATION_STEPS, temperature=0, ignore_eos=True)
+        chunk = min(self.config.max_num_batched_tokens, self.max_model_len - CALIBRATION_STEPS)
+        for num_seqs, prompt_len in ((1, 8), (self.config.max_num_seqs, 8), (1, chunk)):
+            for i in range(num_seqs):
+                prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+                self.add_request(f"calibrate-{num_seqs}-{prompt_len}-{i}", prompt, params)
+            while self.has_unfinished():
+                self.step()
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        self.num_prompt_tokens = self.num_generation_tokens = 0
+        self._recent_tokens.clear()
+        self.kv.num_queries = self.kv.num_hits = 0
+        self.scheduler.num_preemptions = 0
+        if self.speculator is not None:
+            self.speculator.reset_counters()
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; None if it is not live."""

@@ -228,10 +228,15 @@ class Speculator:
     def __init__(self, proposer: Proposer, max_k: int) -> None:
         self.proposer = proposer
         self.backoff = Backoff(max_k, proposer.cooldown_steps)
+        self.max_k = max_k
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        """Zero the drafting counters (after the engine's start-up calibration)."""
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.accepted_per_pos = [0] * max_k
+        self.accepted_per_pos = [0] * self.max_k
 
     def propose(self, running: list[Request]) -> dict[Request, Proposal]:
         """Drafts for the decoding requests that may speculate this step."""

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import random
+import statistics
+import time
 
 import pytest
 from engine_helpers import drain, greedy
 
+from engine.engine import CALIBRATION_STEPS
 from engine.step_cost import StepCostModel
 
 
@@ -36,3 +39,21 @@ def test_engine_reports_its_fitted_step_cost(engine):
     assert engine.step_cost.num_observations >= 8
     assert sum(stats.step_cost_s) > 0
     assert stats.max_num_seqs == engine.config.max_num_seqs
+
+
+def test_start_up_calibration_fits_this_machine_and_leaves_no_trace(make_engine):
+    engine = make_engine(calibrate_step_cost=True)
+    assert engine.step_cost.num_observations >= 3 * CALIBRATION_STEPS
+    stats = engine.stats()
+    assert not engine.has_unfinished() and stats.kv_cache_usage == 0
+    counters = (stats.num_prompt_tokens, stats.num_generation_tokens, stats.prefix_cache_queries)
+    assert counters == (0, 0, 0)
+    predicted_s = sum(engine.step_cost.coefficients()[:2]) + engine.step_cost.coefficients()[2]
+    engine.add_request("probe", list(range(1, 9)), greedy(6, ignore_eos=True))
+    step_s = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        step_s.append(time.perf_counter() - start)
+    measured_s = statistics.median(step_s[1:])  # the decodes of one sequence alone
+    assert measured_s / 3 < predicted_s < measured_s * 3
