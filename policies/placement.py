@@ -10,8 +10,8 @@ its own (latency-tuned) pool while that meets them. When none is, the tier's
   request ahead of them and keeps its time per token); refuse only when this
   tier's own demand is more than the deployment can serve in time. A pool
   whose steps are too slow for the tier's TPOT even when idle is no place
-  for it, unless no pool is fast enough (the hardware is below the SLO: the
-  first token is all that can be kept). A prompt too long for the TTFT even
+  for it; when no pool is fast enough (the hardware is below the SLO), only
+  the fastest pools are. A prompt too long for the TTFT even
   on an idle pool is in time if it waits no longer than it computes: at most
   twice its idle TTFT.
 - `downgrade` (standard): run on the overflow pool without the SLO, and say so.
@@ -107,12 +107,12 @@ def _protect(
     jitter: float,
 ) -> Placement:
     """First token in time wherever possible; else refused, with the soonest pool's drain."""
-    fast_enough = [n for n in predictions if _idle_tpot_ms(pools[n]) <= tier.tpot_ms]
+    tpot_limit_ms = max(tier.tpot_ms, min(_idle_tpot_ms(pools[n]) for n in predictions))
     in_time = [
         n
         for n, p in open_pools.items()
         if p.ttft_s * 1000 <= _ttft_limit_ms(tier, shape, pools[n])
-        and (n in fast_enough or not fast_enough)
+        and _idle_tpot_ms(pools[n]) <= tpot_limit_ms
     ]
     if in_time:
         best = min(in_time, key=lambda n: (n != tier.pool, predictions[n].ttft_s))

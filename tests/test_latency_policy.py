@@ -150,9 +150,12 @@ def test_a_pool_too_slow_for_the_tpot_even_idle_takes_no_protected_overflow():
     full_fast = pool("fast", decoding(0, 4, remaining=500), max_queued=0)
     pools = {"fast": full_fast, "bulk": replace(pool("bulk", max_num_seqs=64), cost=slow)}
     assert place(INTERACTIVE, RequestShape(50, 64), pools).pool is None
-    # When no pool is fast enough (hardware below the SLO), the first token is what counts.
+    # When no pool is fast enough (hardware below the SLO), the fastest ones still serve.
     slow_both = {name: replace(p, cost=slow) for name, p in pools.items()}
     assert place(INTERACTIVE, RequestShape(50, 64), slow_both).pool == "bulk"
+    slower = StepCost(base_s=0.080, per_seq_s=0.001, per_token_s=0.0005)
+    slow_fast_bulk = {**slow_both, "bulk": replace(slow_both["bulk"], cost=slower)}
+    assert place(INTERACTIVE, RequestShape(50, 64), slow_fast_bulk).pool is None
 
 
 def test_a_prompt_too_long_for_the_ttft_even_idle_is_served_unless_it_would_wait_long():
