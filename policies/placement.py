@@ -11,7 +11,7 @@ its own (latency-tuned) pool while that meets them. When none is, the tier's
   tier's own demand is more than the deployment can serve in time. A pool
   whose steps are too slow for the tier's TPOT even when idle is no place
   for it; when no pool is fast enough (the hardware is below the SLO), only
-  the fastest pools are. A prompt too long for the TTFT even
+  its own pool and the fastest are. A prompt too long for the TTFT even
   on an idle pool is in time if it waits no longer than it computes: at most
   twice its idle TTFT.
 - `downgrade` (standard): run on the overflow pool without the SLO, and say so.
@@ -112,7 +112,7 @@ def _protect(
         n
         for n, p in open_pools.items()
         if p.ttft_s * 1000 <= _ttft_limit_ms(tier, shape, pools[n])
-        and _idle_tpot_ms(pools[n]) <= tpot_limit_ms
+        and (n == tier.pool or _idle_tpot_ms(pools[n]) <= tpot_limit_ms)
     ]
     if in_time:
         best = min(in_time, key=lambda n: (n != tier.pool, predictions[n].ttft_s))
