@@ -104,11 +104,9 @@ class Job:
 
     @property
     def max_step_s(self) -> float | None:
-        """The time per token the pool must keep for this request: its tier's, unless the
-        tier queues rather than being protected (batch) or the request was downgraded."""
-        if self.tier.on_slo_miss == "queue" or self.placement.downgraded:
-            return None
-        return self.tier.tpot_ms / 1000
+        """The time per token the pool must keep for this request: its tier's target,
+        none once downgraded."""
+        return None if self.placement.downgraded else self.tier.tpot_target_s
 
     @property
     def num_reserved_tokens(self) -> int:

@@ -105,20 +105,21 @@ class Scheduler:
             proposal = drafts.get(request)
             request.spec_token_ids = list(proposal.token_ids) if proposal is not None else []
         self._make_room_for_urgent(out)
+        targets = _StepTargets.of(self.running, self.waiting)
         # Decodes first: they cost one token (1 + k with drafts) each, and a long
         # prefill taking the whole budget must not stall everyone's next token.
         # Requests with a time-per-token target go before those without.
         for request in sorted(self.running, key=_step_order):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            budget = self._budget(request, out)
+            budget = self._budget(request, out, targets)
             if budget == 0:
                 continue
             num_new = self._reserve(request, budget, out)
             if num_new:
                 out.num_new_tokens[request] = num_new
         while self.waiting and len(self.running) < self.max_num_seqs:
-            budget = self._budget(self.waiting[0], out)
+            budget = self._budget(self.waiting[0], out, targets)
             if budget == 0 or self.waiting[0] in out.preempted:
                 break  # a request evicted for room this step would only thrash
             if self._admit(self.waiting[0], budget, out) == 0:
@@ -196,26 +197,21 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
-    def _budget(self, request: Request, out: SchedulerOutput) -> int:
+    def _budget(self, request: Request, out: SchedulerOutput, targets: _StepTargets) -> int:
         """Tokens `request` may compute this step: what is left of the token budget, cut
         to what keeps the step within the targets decoding in it (see the module docstring)."""
         budget = self.max_num_batched_tokens - out.total_tokens
         if budget == 0 or request.max_step_s is not None and not _is_prefilling(request):
             return budget  # a target's own decode always runs
-        if request.max_step_s is None and self._target_waits_ahead_of(request):
+        if request.max_step_s is None and targets.waits_ahead_of(request):
             return 0
-        step_limit_s = _step_limit_s(out)
-        if step_limit_s is None:
+        if targets.limit_s is None:
             return budget
         in_time = self.step_cost.tokens_within(
-            step_limit_s, len(out.num_new_tokens) + 1, out.total_tokens
+            targets.limit_s, len(out.num_new_tokens) + 1, out.total_tokens
         )
         floor = MIN_PREFILL_CHUNK if request.max_step_s is not None else 0
         return min(budget, max(in_time, floor))
-
-    def _target_waits_ahead_of(self, request: Request) -> bool:
-        """A more urgent request with a target is waiting: it takes this step's room."""
-        return any(r.max_step_s is not None and r.priority < request.priority for r in self.waiting)
 
     def _make_room_for_urgent(self, out: SchedulerOutput) -> None:
         """A full batch yields its least urgent member to a strictly higher priority."""
@@ -286,10 +282,25 @@ class Scheduler:
         self._enqueue(request)  # keeps its arrival: it goes back to its place in line
 
 
-def _step_limit_s(out: SchedulerOutput) -> float | None:
-    """The tightest target among the requests decoding in this step so far (None: none)."""
-    targets = [r.max_step_s for r in out.num_new_tokens if r.max_step_s and not _is_prefilling(r)]
-    return min(targets, default=None)
+@dataclass(frozen=True)
+class _StepTargets:
+    """The time-per-token targets one step must respect, read once per `schedule`."""
+
+    limit_s: float | None
+    """The tightest target among the running requests that decode (None: none)."""
+    waiting_priority: int | None
+    """The most urgent priority among waiting requests with a target (None: none)."""
+
+    @classmethod
+    def of(cls, running: list[Request], waiting: list[Request]) -> _StepTargets:
+        """The targets of this step's running and waiting requests."""
+        decoding = [r.max_step_s for r in running if r.max_step_s and not _is_prefilling(r)]
+        queued = [r.priority for r in waiting if r.max_step_s is not None]
+        return cls(min(decoding, default=None), min(queued, default=None))
+
+    def waits_ahead_of(self, request: Request) -> bool:
+        """A more urgent request with a target is waiting: it takes this step's room."""
+        return self.waiting_priority is not None and self.waiting_priority < request.priority
 
 
 def _step_order(request: Request) -> tuple[bool, bool, tuple[int, int]]:

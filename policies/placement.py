@@ -71,9 +71,8 @@ def place(
     tier: Tier, shape: RequestShape, pools: Mapping[str, PoolState], jitter: float = 0.0
 ) -> Placement:
     """Choose a pool for a request of `tier`; `jitter` in [0, 1) spreads Retry-After."""
-    target_s = None if tier.on_slo_miss == "queue" else tier.tpot_ms / 1000
     predictions = {
-        name: predict(pools[name], tier.priority, shape.num_prompt_tokens, target_s)
+        name: predict(pools[name], tier.priority, shape.num_prompt_tokens, tier.tpot_target_s)
         for name in _candidates(tier, shape, pools)
     }
     open_pools = {

@@ -37,6 +37,12 @@ class Tier(BaseModel):
     and the client told (408, or an error event on a stream). None: only the app's
     request_timeout_s applies."""
 
+    @property
+    def tpot_target_s(self) -> float | None:
+        """The time per token the engine is asked to keep for this tier's requests: None
+        for a tier that queues (batch) rather than being held to its TPOT."""
+        return None if self.on_slo_miss == "queue" else self.tpot_ms / 1000
+
 
 def resolve_tier(
     header: str | None,
