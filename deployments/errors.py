@@ -68,6 +68,15 @@ def replica_unavailable() -> ApiError:
     return ApiError(503, message, type_="server_error", code="replica_unavailable", retry_after_s=1)
 
 
+def pool_unavailable(tier: str, retry_after_s: float) -> ApiError:
+    """503: none of the tier's pools has a live replica now (a node was lost); Serve is
+    placing a new one, so a retry after Retry-After works."""
+    message = f"No pool serving tier {tier!r} is available now; please retry."
+    return ApiError(
+        503, message, type_="server_error", code="pool_unavailable", retry_after_s=retry_after_s
+    )
+
+
 def internal_error(request_id: str) -> ApiError:
     """500 for a fault of ours: no internals, only the id to find the logged traceback."""
     message = f"The server had an error while processing the request (request id {request_id})."

@@ -24,11 +24,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments import schemas
+from deployments.calls import first_answer
 from deployments.config import CallerPolicy, IngressConfig
 from deployments.errors import (
     ApiError,
@@ -36,6 +37,7 @@ from deployments.errors import (
     context_length_exceeded,
     deadline_exceeded,
     internal_error,
+    pool_unavailable,
     replica_unavailable,
     too_many_requests,
 )
@@ -48,7 +50,7 @@ from deployments.openai_api import (
     parse_body,
     sampling_params,
 )
-from deployments.pool import ModelInfo, PoolRequest
+from deployments.pool import PoolRequest
 from deployments.pool_monitor import PoolMonitor, TrackedSequence
 from deployments.request_body import decode_json_object, read_body
 from deployments.streaming import ChoiceProgress, merge_streams, usage
@@ -142,11 +144,10 @@ class Ingress:
     ) -> None:
         self._config = config
         self._pools = pools
-        self._models: dict[str, ModelInfo] = {
-            name: await handle.model_info.remote() for name, handle in pools.items()
-        }
         # Pools of one family share a tokenizer; routing needs the token count first.
-        self._tokenizer = next(iter(self._models.values())).tokenizer
+        self._tokenizer = await first_answer(
+            [cast(DeploymentResponse, h.tokenizer.remote()) for h in pools.values()]
+        )
         pool_configs = {p.name: p for p in config.pools}
         self._gateway = Gateway(config.gateway)
         self._monitor = PoolMonitor(pool_configs, pools, config.stats_poll_interval_s)
@@ -248,6 +249,8 @@ class Ingress:
         shape = RequestShape(longest, body.requested_max_tokens or 0, num_sequences)
         placement = place(tier, shape, self._monitor.states(), jitter=random.random())
         self._telemetry.count_decision(tier.name, placement.reason, placement.pool)
+        if placement.reason == "unavailable":
+            raise pool_unavailable(tier.name, placement.retry_after_s or 1)
         if placement.pool is None:
             raise too_many_requests(
                 f"Tier {tier.name!r} is over capacity ({placement.reason}).",
@@ -293,7 +296,7 @@ class Ingress:
 
     def _max_tokens(self, requested: int | None, num_prompt_tokens: int, pool: str) -> int:
         """The request's max_tokens, by default the rest of the context, as vLLM does."""
-        max_model_len = self._models[pool].max_model_len
+        max_model_len = self._monitor.max_model_len(pool)
         max_tokens = (
             requested if requested is not None else max(1, max_model_len - num_prompt_tokens)
         )

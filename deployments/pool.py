@@ -58,19 +58,13 @@ class PoolRequest:
 
 
 @dataclass(frozen=True)
-class ModelInfo:
-    """What the ingress needs to speak to this pool's model."""
-
-    tokenizer: Any
-    max_model_len: int
-
-
-@dataclass(frozen=True)
 class ReplicaStats:
     """One replica's engine stats, tagged with the replica so the ingress can count live ones."""
 
     replica_id: str
     engine: EngineStats
+    max_model_len: int
+    """The replica's context length: the ingress learns it with the load."""
 
 
 EngineFactory = Callable[[EngineConfig], Engine]
@@ -117,14 +111,14 @@ class Pool:
             async for output in stream:
                 yield output
 
-    def model_info(self) -> ModelInfo:
-        """The tokenizer and context length the ingress plans requests with."""
-        return ModelInfo(tokenizer=self._engine.tokenizer, max_model_len=self._engine.max_model_len)
+    def tokenizer(self) -> Any:
+        """The tokenizer the ingress counts and encodes prompts with."""
+        return self._engine.tokenizer
 
     def stats(self) -> ReplicaStats:
         """This replica's engine stats, for the ingress's pool monitor."""
         replica_id = serve.get_replica_context().replica_id.unique_id
-        return ReplicaStats(replica_id=replica_id, engine=self._engine.stats())
+        return ReplicaStats(replica_id, self._engine.stats(), self._engine.max_model_len)
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: a dead step loop would hang every stream."""

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from deployments.calls import within
 from deployments.config import PoolConfig
 from deployments.pool import ReplicaStats
 from engine.outputs import EngineStats
@@ -26,6 +27,9 @@ log = logging.getLogger(__name__)
 
 STALE_AFTER_POLLS = 3
 """A replica not heard from in this many poll periods is counted as gone."""
+POLL_TIMEOUT_POLLS = STALE_AFTER_POLLS
+"""A stats call unanswered after this many poll periods is cancelled: a pool with no
+live replica (its node lost) would otherwise hold every later poll of every pool."""
 
 
 TYPICAL_OUTPUT_TOKENS = 128
@@ -62,6 +66,7 @@ class PoolMonitor:
         self._in_flight: dict[str, list[TrackedSequence]] = {name: [] for name in pools}
         self._typical_output = dict.fromkeys(pools, float(TYPICAL_OUTPUT_TOKENS))
         self._replicas: dict[str, dict[str, _Seen]] = {name: {} for name in pools}
+        self._max_model_len: dict[str, int] = {}
         self.replica_seconds = dict.fromkeys(pools, 0.0)
         """Replica time spent so far per pool: the basis of the cost metric."""
 
@@ -85,7 +90,7 @@ class PoolMonitor:
         stats = self.replica_stats(pool)
         return PoolState(
             name=pool,
-            num_replicas=max(1, len(stats)),
+            num_replicas=len(stats),
             max_num_seqs=config.engine.max_num_seqs,
             max_num_batched_tokens=config.engine.max_num_batched_tokens,
             cost=_mean_step_cost(stats),
@@ -108,18 +113,30 @@ class PoolMonitor:
                 s.priority, s.num_prompt_tokens, round(expected), s.num_output_tokens > 0
             )
 
+    def max_model_len(self, pool: str) -> int:
+        """The pool's context length, as its replicas last reported it (placement only
+        chooses pools with a live replica, so it has been heard)."""
+        return self._max_model_len[pool]
+
     def replica_stats(self, pool: str) -> list[EngineStats]:
         """The latest stats of each live replica of `pool`."""
         fresh_after_s = time.monotonic() - STALE_AFTER_POLLS * self._poll_interval_s
         return [seen.stats for seen in self._replicas[pool].values() if seen.at_s >= fresh_after_s]
 
     async def poll_forever(self) -> None:
-        """Refresh replica stats every period; runs for the life of the ingress."""
+        """Refresh replica stats every period, each pool on its own clock (a pool whose
+        calls go unanswered must not age the others' stats); runs for the life of the
+        ingress."""
+        await asyncio.gather(*(self._poll_forever(name) for name in self._pools))
+
+    async def _poll_forever(self, pool: str) -> None:
+        last_s = time.monotonic()
         while True:
-            await self.poll_once()
-            for name in self._pools:
-                self.replica_seconds[name] += len(self.replica_stats(name)) * self._poll_interval_s
+            await self._poll(pool)
             await asyncio.sleep(self._poll_interval_s)
+            now_s = time.monotonic()
+            self.replica_seconds[pool] += len(self.replica_stats(pool)) * (now_s - last_s)
+            last_s = now_s
 
     async def poll_once(self) -> None:
         """Ask every pool's replicas for their stats once."""
@@ -128,10 +145,13 @@ class PoolMonitor:
     async def _poll(self, pool: str) -> None:
         # Serve routes each call to some replica; asking as often as there can be
         # replicas reaches most of them each period, and stale ones age out.
+        timeout_s = POLL_TIMEOUT_POLLS * self._poll_interval_s
         calls = [self._handles[pool].stats.remote() for _ in range(self._pools[pool].max_replicas)]
-        for result in await asyncio.gather(*calls, return_exceptions=True):
+        answers = (within(call, timeout_s) for call in calls)
+        for result in await asyncio.gather(*answers, return_exceptions=True):
             if isinstance(result, ReplicaStats):
                 self._replicas[pool][result.replica_id] = _Seen(result.engine, time.monotonic())
+                self._max_model_len[pool] = result.max_model_len
             else:
                 log.warning("stats poll of pool %s failed: %r", pool, result)
 

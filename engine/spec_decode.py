@@ -21,7 +21,7 @@ back what was rejected.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -89,11 +89,11 @@ class NgramProposer:
 class DraftRunner(Protocol):
     """What the draft proposer needs of a model runner (engine.model.model_runner)."""
 
-    def prepare(self, num_new_tokens: dict[Request, int]) -> object:
+    def prepare(self, num_new_tokens: dict[Request, int]) -> Any:
         """Pack the shadows' pending tokens into one batch."""
         ...
 
-    def compute_logits(self, batch: object) -> torch.Tensor:
+    def compute_logits(self, batch: Any) -> torch.Tensor:
         """Logits, one row per request, at each shadow's last position."""
         ...
 

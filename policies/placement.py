@@ -34,6 +34,8 @@ from policies.latency import PoolState, Prediction, drain_s, predict
 from policies.tiers import Tier
 
 MIN_RETRY_AFTER_S = 1
+UNAVAILABLE_RETRY_AFTER_S = 5
+"""Retry-After when none of the tier's pools has a live replica: Serve is replacing one."""
 JITTER = 0.5
 """Retry-After is stretched by up to this fraction, at random."""
 
@@ -46,7 +48,8 @@ class Placement:
     """None: refused (429)."""
     reason: str
     """`slo` (predicted within its SLO), `overflow` (first token in time on a busy pool),
-    `downgrade`, `queue`; refusals: `shed_queue_full`, `shed_slo`."""
+    `downgrade`, `queue`; refusals: `shed_queue_full`, `shed_slo`, and `unavailable`
+    (no pool of the tier has a live replica: a 503, not a 429)."""
     prediction: Prediction | None = None
     retry_after_s: int | None = None
 
@@ -71,9 +74,12 @@ def place(
     tier: Tier, shape: RequestShape, pools: Mapping[str, PoolState], jitter: float = 0.0
 ) -> Placement:
     """Choose a pool for a request of `tier`; `jitter` in [0, 1) spreads Retry-After."""
+    candidates = _candidates(tier, shape, pools)
+    if not candidates:
+        return Placement(None, "unavailable", retry_after_s=UNAVAILABLE_RETRY_AFTER_S)
     predictions = {
         name: predict(pools[name], tier.priority, shape.num_prompt_tokens, tier.tpot_target_s)
-        for name in _candidates(tier, shape, pools)
+        for name in candidates
     }
     open_pools = {
         n: p for n, p in predictions.items() if _queue_ahead(pools[n], p, shape.num_sequences) == 0
@@ -139,13 +145,14 @@ def _preference(tier: Tier, name: str, pool: PoolState) -> tuple[bool, float]:
 
 
 def _candidates(tier: Tier, shape: RequestShape, pools: Mapping[str, PoolState]) -> list[str]:
-    """The tier's pools, own pool first, without those whose `max_request_tokens` the
-    request exceeds (unless that leaves none: the limit is a preference, not a refusal)."""
+    """The tier's pools with a live replica, own pool first, without those whose
+    `max_request_tokens` the request exceeds (unless that leaves none: the limit is a
+    preference, not a refusal). A pool with no replica (its node lost) predicts no wait
+    at all; it must not attract the traffic it cannot serve."""
     overflow = [tier.overflow_pool] if tier.overflow_pool not in (None, tier.pool) else []
-    names = [tier.pool, *overflow]
+    names = [n for n in (tier.pool, *overflow) if pools[n].num_replicas > 0]
     total = shape.num_prompt_tokens + shape.max_tokens
-    limits = {n: pools[n].max_request_tokens for n in names}
-    fitting = [n for n in names if limits[n] is None or total <= limits[n]]
+    fitting = [n for n in names if total <= (pools[n].max_request_tokens or math.inf)]
     return fitting or names
 
 

@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from deployments.pool import ReplicaStats
 from engine.config import EngineConfig
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import DEFAULT_URGENCY, Urgency
@@ -168,3 +169,22 @@ class StatslessQueueingFakeEngine(QueueingFakeEngine):
     """A QueueingFakeEngine whose stats call fails: a replica no router can see the load of."""
 
     stats_fail = True
+
+
+class FakePoolHandle:
+    """Stands in for a pool's DeploymentHandle where only `handle.stats.remote()` is used:
+    answers the fake engine's stats, or, with no engine (a pool without replicas), never."""
+
+    def __init__(self, engine: FakeEngine | None) -> None:
+        self.stats = self
+        self._engine = engine
+        self.calls: list[asyncio.Future[ReplicaStats]] = []
+
+    def remote(self) -> asyncio.Future[ReplicaStats]:
+        """A cancellable call, as a DeploymentResponse is."""
+        call: asyncio.Future[ReplicaStats] = asyncio.get_running_loop().create_future()
+        if self._engine is not None:
+            engine = self._engine
+            call.set_result(ReplicaStats("r0", engine.stats(), engine.max_model_len))
+        self.calls.append(call)
+        return call

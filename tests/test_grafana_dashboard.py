@@ -10,10 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeEngine
+from fakes import FakeEngine, FakePoolHandle
 
 from deployments.config import PoolConfig
-from deployments.pool import ReplicaStats
 from deployments.pool_monitor import PoolMonitor
 from deployments.streaming import ChoiceProgress
 from deployments.telemetry import RequestRecord, Telemetry
@@ -65,7 +64,7 @@ def grouping_labels(expr: str) -> set[str]:
 def exported() -> dict[str, set[str]]:
     """Every sample name Telemetry renders after one request, with its label names."""
     pools = {"fast": PoolConfig(name="fast", model_name="m")}
-    monitor = PoolMonitor(pools, {"fast": _StatsHandle(FakeEngine(EngineConfig()))}, 1.0)
+    monitor = PoolMonitor(pools, {"fast": FakePoolHandle(FakeEngine(EngineConfig()))}, 1.0)
     asyncio.run(monitor.poll_once())
     telemetry = Telemetry("m", pools, monitor)
     telemetry.observe(_finished_request())
@@ -75,17 +74,6 @@ def exported() -> dict[str, set[str]]:
         for sample in family.samples:
             labels.setdefault(sample.name, set()).update(sample.labels)
     return labels
-
-
-class _StatsHandle:
-    """Stands in for a pool's DeploymentHandle: `handle.stats.remote()` gives the fake's stats."""
-
-    def __init__(self, engine: FakeEngine) -> None:
-        self.stats = self
-        self._engine = engine
-
-    async def remote(self) -> ReplicaStats:
-        return ReplicaStats(replica_id="r0", engine=self._engine.stats())
 
 
 def _finished_request() -> RequestRecord:

@@ -191,3 +191,13 @@ def test_many_sequences_count_against_the_queue_limit():
     pools = {"bulk": pool("bulk", decoding(2, 4), max_queued=4)}
     assert place(BATCH, RequestShape(50, 64, num_sequences=4), pools).pool == "bulk"
     assert place(BATCH, RequestShape(50, 64, num_sequences=6), pools).pool is None
+
+
+def test_a_pool_without_replicas_takes_nothing_and_a_tier_with_none_left_is_unavailable():
+    # An empty pool predicts no wait at all: it would win every comparison if it counted.
+    pools = {"fast": pool("fast", decoding(0, 4)), "bulk": pool("bulk", replicas=0, price=0.1)}
+    standard = place(STANDARD, RequestShape(50, 64), pools)
+    assert standard.pool == "fast"
+    batch = place(BATCH, RequestShape(50, 64), pools)
+    assert (batch.pool, batch.reason) == (None, "unavailable")
+    assert batch.retry_after_s is not None and batch.retry_after_s >= 1

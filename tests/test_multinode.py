@@ -78,18 +78,29 @@ def test_losing_a_node_leaves_the_other_pool_serving_and_the_lost_one_comes_back
     ray_cluster, base_url, node_ids = cluster
     offline_node = next(n for n in ray_cluster.worker_nodes if n.node_id == node_ids["offline"])
     ray_cluster.remove_node(offline_node)
-    # The interactive replica is untouched; the ingress, if it ran on the lost node, is
-    # restarted elsewhere by Serve within seconds.
+    # The ingress may have run on the lost node; restart it in any case, so that a new
+    # ingress has to come up while the offline pool has nowhere to run.
+    _kill_live_actors(ray_cluster, "#Ingress#")
     _wait(lambda: _chat(base_url, "interactive") == 200, "interactive served after the loss")
     assert _replica_nodes(ray_cluster, "interactive") == {node_ids["interactive"]}
+    assert _chat(base_url, "batch") == 503  # its only pool is down: a prompt, clear refusal
     ray_cluster.add_node(num_cpus=1, resources={"pool_offline": 1})
     _wait(lambda: _chat(base_url, "batch") == 200, "batch tier served after the node came back")
 
 
+def _live_actors(ray_cluster: Cluster, name_part: str) -> list[dict]:
+    actors = ray_cluster.global_state.actor_table(None, actor_state_name="ALIVE").values()
+    return [a for a in actors if name_part in a["Name"]]
+
+
+def _kill_live_actors(ray_cluster: Cluster, name_part: str) -> None:
+    for actor in _live_actors(ray_cluster, name_part):
+        ray.kill(ray.get_actor(actor["Name"], namespace="serve"), no_restart=True)
+
+
 def _replica_nodes(ray_cluster: Cluster, pool: str) -> set[str]:
     """Nodes running a live replica of `pool`, from the GCS actor table."""
-    actors = ray_cluster.global_state.actor_table(None, actor_state_name="ALIVE").values()
-    return {a["Address"]["NodeID"] for a in actors if f"#pool-{pool}#" in a["Name"]}
+    return {a["Address"]["NodeID"] for a in _live_actors(ray_cluster, f"#pool-{pool}#")}
 
 
 def _chat(base_url: str, tier: str) -> int:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
-from fakes import FakeEngine
+from fakes import FakeEngine, FakePoolHandle
 
 from deployments.config import PoolConfig
-from deployments.pool import ReplicaStats
 from deployments.pool_monitor import PoolMonitor
 from deployments.streaming import ChoiceProgress
 from deployments.telemetry import RequestRecord, Telemetry
@@ -19,23 +17,8 @@ from policies.tiers import Tier
 POOLS = {"fast": PoolConfig(name="fast", model_name="m")}
 
 
-@dataclass
-class _Method:
-    engine: FakeEngine
-
-    async def remote(self) -> ReplicaStats:
-        return ReplicaStats(replica_id="r0", engine=self.engine.stats())
-
-
-class _Handle:
-    """Stands in for a DeploymentHandle: `handle.stats.remote()` answers the fake's stats."""
-
-    def __init__(self, engine: FakeEngine) -> None:
-        self.stats = _Method(engine)
-
-
 def _telemetry(engine: FakeEngine) -> Telemetry:
-    monitor = PoolMonitor(POOLS, {"fast": _Handle(engine)}, poll_interval_s=1.0)
+    monitor = PoolMonitor(POOLS, {"fast": FakePoolHandle(engine)}, poll_interval_s=1.0)
     asyncio.run(monitor.poll_once())
     return Telemetry("m", POOLS, monitor)
 

@@ -20,6 +20,6 @@ def chat_prompt_ids(
     if isinstance(conversation, str):
         conversation = [{"role": "user", "content": conversation}]
     text = tokenizer.apply_chat_template(
-        list(conversation), tokenize=False, add_generation_prompt=True
+        [dict(turn) for turn in conversation], tokenize=False, add_generation_prompt=True
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
