@@ -90,6 +90,11 @@ class EngineConfig:
     native_attention: bool = True
     """Use the C paged-attention kernel for short queries on a CPU when it builds; False
     keeps the torch path (the kernel's reference)."""
+    batch_invariant: bool = True
+    """A token's logits bit for bit the same whatever shares its step or whether its prefix
+    came from the cache (engine.model.batch_invariance), so a seeded request returns the
+    same text every time. Costs short steps a few padded matmul rows and long prompts
+    attention in the paged kernel instead of SDPA; False trades that for speed."""
     num_threads: int | None = None
     """torch intra-op threads, applied by the process owner (engine.process.configure_process);
     None leaves torch's default."""

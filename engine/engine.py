@@ -67,6 +67,7 @@ class LLMEngine:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.step_cost
         )
         self.runner = ModelRunner(self.model, num_blocks, config)
+        self._seed_source = random.Random(config.seed)
         self.speculator = _speculator(config, num_blocks)
         self.requests: dict[str, _Tracked] = {}
         self._recent_tokens: deque[tuple[float, int]] = deque()
@@ -119,9 +120,11 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         self.validate(prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = Request(
-            request_id, list(prompt_token_ids), params, priority, max_step_s, self.eos_token_ids
-        )
+            request_id, list(prompt_token_ids), params, priority, max_step_s, self.eos_token_ids,
+            sampling_seed=seed,
+        )  # fmt: skip
         self.requests[request_id] = _Tracked(
             request=request,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
@@ -250,7 +253,6 @@ class LLMEngine:
     def _release(self, request: Request) -> None:
         """Forget a finished request everywhere outside the scheduler."""
         self.requests.pop(request.request_id)
-        self.runner.release(request.request_id)
         if self.speculator is not None:
             self.speculator.release(request)
 

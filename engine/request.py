@@ -56,6 +56,9 @@ class Request:
     work joins a step only as far as the step still fits in it (engine/scheduler.py)."""
     eos_token_ids: frozenset[int] = frozenset()
     """The model's end-of-sequence ids: they stop the request unless it ignores EOS."""
+    sampling_seed: int = 0
+    """Keys every random draw of this request with the output position (engine/sampler.py):
+    `params.seed` when given, else one the engine drew."""
     arrival: int = 0
     """Arrival order in its scheduler (set by `Scheduler.add`): breaks priority ties."""
     arrival_time_s: float = field(default_factory=time.monotonic)

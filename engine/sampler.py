@@ -1,18 +1,26 @@
 """Turn logits into tokens: penalties, temperature, top-k / top-p, seeded draws.
 
-Every row draws with its own `torch.Generator`, so a request with a seed
-gets the same tokens whatever else shares the batch. `probs_for` exposes the
-processed distribution so speculative verification applies the very same
-temperature / top-k / top-p to target and draft.
+A draw is the exponential race: the token maximising p(x) / E(x), with E
+Exp(1) noise generated from the request's seed and the output position alone.
+That is an exact draw from p, and it makes each token a function of the
+logits, the seed and the position: the same whatever else shares the batch,
+and whether or not speculation guessed it (verification keeps a draft exactly
+when it is the token the target draws there). With batch-invariant logits
+(engine.model.batch_invariance) a seeded request therefore returns the same
+text every time. `probs_for` exposes the processed distribution so a draft
+model draws from the very same temperature / top-k / top-p.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+NOISE_FLOOR = 1e-30
+"""Exp(1) noise is clamped above zero: a 0 / 0 would be NaN, which argmax prefers."""
 
 
 @dataclass(frozen=True)
@@ -20,10 +28,12 @@ class SampleRow:
     """What the sampler needs to know about one row of logits."""
 
     params: SamplingParams
-    generator: torch.Generator
+    seed: int
+    """The request's sampling seed (its own, or one the engine drew for it)."""
     seen_token_ids: list[int]
     """Prompt and output so far: for the repetition penalty."""
     num_output_tokens: int
+    """Tokens produced so far: the next one's position, which keys its random draw."""
     banned_until_min_tokens: tuple[int, ...]
     """EOS and stop token ids, masked while fewer than min_tokens were produced."""
 
@@ -33,7 +43,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     the rows whose request asked for logprobs (None for the others: no softmax is spent)."""
     argmax = logits.argmax(dim=-1).tolist()  # one batched call serves every plain greedy row
     token_ids = [
-        argmax[i] if _is_plain_greedy(row) else _sample_row(logits[i], row)
+        argmax[i] if _is_plain_greedy(row) else sample_row(logits[i], row)
         for i, row in enumerate(rows)
     ]
     logprobs = [
@@ -56,12 +66,27 @@ def _is_plain_greedy(row: SampleRow) -> bool:
     return params.greedy and params.repetition_penalty == 1.0 and not banned
 
 
-def _sample_row(logits: torch.Tensor, row: SampleRow) -> int:
+def sample_row(logits: torch.Tensor, row: SampleRow) -> int:
+    """The row's token at its position: the argmax when greedy, else the seeded draw."""
     logits = adjust_logits(logits, row)
     if row.params.greedy:
         return int(logits.argmax())
-    probs = probs_for(logits, row.params)
-    return int(torch.multinomial(probs, 1, generator=row.generator))
+    return draw(probs_for(logits, row.params), row.seed, row.num_output_tokens)
+
+
+def draw(probs: torch.Tensor, seed: int, position: int) -> int:
+    """A draw from `probs` fixed by (seed, position): the exponential race."""
+    noise = torch.empty(probs.shape[-1]).exponential_(generator=_position_generator(seed, position))
+    return int((probs / noise.clamp_min_(NOISE_FLOOR)).argmax())
+
+
+def _position_generator(seed: int, position: int) -> torch.Generator:
+    """A generator for one output position of one seed (splitmix64 of the pair, so
+    neighbouring positions and seeds get unrelated streams)."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) % 2**64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % 2**64
+    return torch.Generator().manual_seed(z ^ (z >> 31))
 
 
 def adjust_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
@@ -111,48 +136,25 @@ def verify(
     logits: torch.Tensor,  # [k + 1, V] target logits at the last real token and each draft
     row: SampleRow,
     draft_token_ids: list[int],
-    draft_probs: torch.Tensor | None,  # [k, V], None for a deterministic (one-hot) draft
 ) -> tuple[list[int], list[float]]:
     """Speculative verification: accepted drafts, then one correction or bonus token.
 
-    Greedy: a draft survives while it equals the target's argmax. Sampling uses
-    the modified rejection rule, which leaves the output distributed exactly as
-    the target's p: accept draft x with probability min(1, p(x) / q(x)); on
-    rejection draw from the residual max(0, p - q) / Z. A one-hot q (prompt
-    lookup) makes that: accept x with probability p(x), else draw from p with x
-    removed. When every draft survives, the last row gives a bonus token. Logprobs of
-    the emitted tokens come back only when the request asked for them (else []).
+    At each position the target's own token is drawn (`sample_row`: the argmax,
+    or the seeded exponential race); a draft survives while it equals that
+    token. Every emitted token is thus exactly what sampling without drafts
+    would have produced at its position, so the output distribution is the
+    target's and a seeded request's text does not depend on the drafts. A
+    draft model that races with the same noise (spec_decode) is accepted as
+    often as its distribution agrees with the target's. When every draft
+    survives, the last row gives a bonus token. Logprobs of the emitted tokens
+    come back only when the request asked for them (else []).
     """
     tokens: list[int] = []
-    for i, draft in enumerate(draft_token_ids):
-        q = None if draft_probs is None else draft_probs[i]
-        token, accepted = _verify_one(logits[i], row, draft, q)
+    for i, logits_row in enumerate(logits[: len(draft_token_ids) + 1]):
+        token = sample_row(logits_row, replace(row, num_output_tokens=row.num_output_tokens + i))
         tokens.append(token)
-        if not accepted:
+        if i == len(draft_token_ids) or token != draft_token_ids[i]:
             break
-    else:
-        tokens.append(_sample_row(logits[len(draft_token_ids)], row))
     if not row.params.logprobs:
         return tokens, []
     return tokens, token_logprobs(logits[: len(tokens)], tokens)
-
-
-def _verify_one(
-    logits: torch.Tensor, row: SampleRow, draft: int, q: torch.Tensor | None
-) -> tuple[int, bool]:
-    """(token to emit at this position, whether it was the draft)."""
-    if row.params.greedy:
-        target = int(logits.argmax())
-        return target, target == draft
-    p = probs_for(logits, row.params)
-    q_draft = 1.0 if q is None else float(q[draft])
-    u = float(torch.rand((), generator=row.generator))
-    if u * q_draft < float(p[draft]):  # u < p(x) / q(x), without dividing by zero
-        return draft, True
-    if q is None:
-        q = torch.zeros_like(p)
-        q[draft] = 1.0
-    residual = (p - q).clamp_min(0)
-    if float(residual.sum()) <= 0:  # p == q: the rejection had probability 0
-        residual = p
-    return int(torch.multinomial(residual, 1, generator=row.generator)), False

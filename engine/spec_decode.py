@@ -29,16 +29,14 @@ from engine.config import SpecDecodeConfig
 from engine.kv_cache import KVCacheManager
 from engine.outputs import RunnerOutput
 from engine.request import Request
-from engine.sampler import probs_for
+from engine.sampler import draw, probs_for
 
 
 @dataclass(frozen=True)
 class Proposal:
-    """Draft tokens for one request, and the distributions they were drawn from."""
+    """Draft tokens for one request."""
 
     token_ids: list[int]
-    probs: torch.Tensor | None = None
-    """[len(token_ids), vocab] draft distributions; None for a deterministic (one-hot) draft."""
 
 
 class Proposer(Protocol):
@@ -118,21 +116,16 @@ class DraftModelProposer:
         shadows = {r: self._sync_shadow(r) for r in requests}
         active = {r: s for r, s in shadows.items() if self._reserve(s, requests[r])}
         drafts: dict[Request, list[int]] = {r: [] for r in active}
-        probs: dict[Request, list[torch.Tensor]] = {r: [] for r in active}
         for _ in range(max((requests[r] for r in active), default=0)):
             todo = {r: s for r, s in active.items() if len(drafts[r]) < requests[r]}
             step = {s: s.num_tokens - s.num_computed_tokens for s in todo.values()}
             logits = self.runner.compute_logits(self.runner.prepare(step))
             for row, (request, shadow) in enumerate(todo.items()):
                 shadow.num_computed_tokens = shadow.num_tokens
-                token, dist = _draft_token(logits[row], request, shadow)
+                token = _draft_token(logits[row], request, len(drafts[request]))
                 shadow.append_output_token(token)
                 drafts[request].append(token)
-                probs[request].append(dist)
-        return {
-            r: Proposal(drafts[r], None if r.params.greedy else torch.stack(probs[r]))
-            for r in active
-        }
+        return {r: Proposal(drafts[r]) for r in active}
 
     def release(self, request: Request) -> None:
         """Free the shadow's blocks in the draft's KV cache."""
@@ -159,13 +152,14 @@ class DraftModelProposer:
         return True
 
 
-def _draft_token(logits: torch.Tensor, request: Request, shadow: Request):
-    """The draft's own choice under the request's sampling settings, and its distribution."""
+def _draft_token(logits: torch.Tensor, request: Request, index: int) -> int:
+    """The draft's choice for the request's `index`-th lookahead position. It races with
+    the noise the target will draw with there (engine/sampler.py), so it is accepted
+    whenever the two distributions pick the same token under that noise."""
     if request.params.greedy:
-        return int(logits.argmax()), None
-    dist = probs_for(logits, request.params)
-    token = int(torch.multinomial(dist, 1))
-    return token, dist
+        return int(logits.argmax())
+    position = request.num_output_tokens + index
+    return draw(probs_for(logits, request.params), request.sampling_seed, position)
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:

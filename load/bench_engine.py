@@ -21,6 +21,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.model.batch_invariance import request_reproducible_blas
 from engine.model.loader import resolve_model_dir
 from engine.sampling_params import SamplingParams
 from load.report import emit, log
@@ -122,6 +123,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
 
 def main() -> None:
     """Run every comparison and print its JSON lines."""
+    request_reproducible_blas()  # as pool replicas run (engine.process), before any matmul
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--threads", type=int, default=1)

@@ -34,6 +34,7 @@ import torch
 from app.config import TierserveConfig, load_config
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.model.batch_invariance import request_reproducible_blas
 from engine.model.llama import ModelArgs
 from engine.sampling_params import SamplingParams
 from load.bench_engine import make_prompts
@@ -208,6 +209,7 @@ def report_server(config: TierserveConfig, tokenizer, reps: int) -> None:
 
 def main() -> None:
     """Engine, GEMM rate, decodes beside a long prefill, then the server path."""
+    request_reproducible_blas()  # as pool replicas run (engine.process), before any matmul
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )

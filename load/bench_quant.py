@@ -23,6 +23,7 @@ import torch
 
 from engine.config import EngineConfig, QuantConfig
 from engine.engine import LLMEngine
+from engine.model.batch_invariance import request_reproducible_blas
 from engine.model.packed_linear import PackedLinear
 from engine.quant.awq import DEFAULT_CALIBRATION_PATH
 from engine.quant.linear import QuantLinear
@@ -149,6 +150,7 @@ def report(results: dict[str, dict[str, float]], common: dict) -> None:
 
 def main() -> None:
     """Prepare, measure and compare every variant; print JSON lines."""
+    request_reproducible_blas()  # as pool replicas run (engine.process), before any matmul
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -34,6 +34,7 @@ import httpx
 from app.config import TierserveConfig, load_config
 from deployments.openai_api import ChatEndpoint
 from engine.config import default_cache_dir
+from engine.model.batch_invariance import request_reproducible_blas
 from engine.model.loader import load_tokenizer
 from engine.sampling_params import SamplingParams
 from load.local_cluster import serving
@@ -233,6 +234,7 @@ async def run(base_url: str, config: TierserveConfig, prompts: Prompts, plan: Pl
 
 def main() -> None:
     """Start the app on a private cluster (or use --url) and run the plan."""
+    request_reproducible_blas()  # as pool replicas run (engine.process), before any matmul
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )

@@ -46,6 +46,7 @@ import torch
 
 from engine.config import EngineConfig, SpecDecodeConfig
 from engine.engine import LLMEngine
+from engine.model.batch_invariance import request_reproducible_blas
 from engine.model.chat import chat_prompt_ids
 from engine.sampling_params import SamplingParams
 from load.report import emit, log
@@ -343,6 +344,7 @@ def sweep(args: argparse.Namespace) -> None:
 
 def main() -> None:
     """Parse the command line and run the benchmark or the sweep."""
+    request_reproducible_blas()  # as pool replicas run (engine.process), before any matmul
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer prompts, shorter outputs")
     p.add_argument("--sweep", action="store_true", help="try proposer settings instead")

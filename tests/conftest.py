@@ -11,7 +11,11 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig, default_cache_dir
 from engine.engine import LLMEngine
+from engine.model.batch_invariance import request_reproducible_blas
 from engine.model.loader import load_tokenizer
+
+# Before this process's first matmul, as a pool replica does (engine.process).
+request_reproducible_blas()
 
 # Two shared cores: extra torch threads only contend with each other (ENVIRONMENT.md).
 torch.set_num_threads(1)

@@ -71,3 +71,26 @@ def test_loading_the_kernel_keeps_subnormal_floats():
     """A library linked with -ffast-math would switch the process to flush-to-zero."""
     assert kernels.available(torch.float32)
     assert (torch.tensor([1e-40]) * 1.0).item() != 0.0  # a float32 subnormal
+
+
+def test_prefill_chunks_in_the_kernel_match_sdpa_and_split_over_threads_bit_for_bit():
+    q_lens, kv_lens = [40, 1, 70], [40, 9, 90]  # a fresh chunk, a decode, a chunk after cache
+    case = _case(q_lens, kv_lens, torch.float32)
+    q, k, v, k_cache, v_cache, tables = case
+    sdpa = attention.paged_attention(
+        q, k, v, k_cache.clone(), v_cache.clone(),
+        AttentionMetadata.build(q_lens, kv_lens, tables, BLOCK, native_kernel=False),
+    )  # fmt: skip
+    in_kernel = AttentionMetadata.build(q_lens, kv_lens, tables, BLOCK, all_in_kernel=True)
+    assert all(isinstance(g, KernelGroup) for g in in_kernel.groups)
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            caches = (k_cache.clone(), v_cache.clone())
+            outputs.append(attention.paged_attention(q, k, v, *caches, in_kernel))
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(outputs[0], sdpa, atol=1e-5, rtol=1e-5)
+    assert torch.equal(outputs[0], outputs[1])  # the split changes no bit

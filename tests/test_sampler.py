@@ -11,7 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.model.chat import chat_prompt_ids
-from engine.sampler import SampleRow, apply_repetition_penalty, mask_top_k_top_p, probs_for, sample
+from engine.sampler import (
+    SampleRow,
+    apply_repetition_penalty,
+    draw,
+    mask_top_k_top_p,
+    probs_for,
+    sample,
+)
 from engine.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -28,7 +35,7 @@ def kept(masked: torch.Tensor) -> list[int]:
 def row(
     params: SamplingParams, seen: tuple[int, ...] = (), num_output: int = 0, banned=()
 ) -> SampleRow:
-    return SampleRow(params, torch.Generator().manual_seed(0), list(seen), num_output, banned)
+    return SampleRow(params, 0, list(seen), num_output, banned)
 
 
 # ---- masks ---------------------------------------------------------------------
@@ -153,3 +160,15 @@ def test_min_tokens_holds_back_eos(engine, tokenizer):
     held = run_requests(engine, {"held": (prompt, greedy(16, min_tokens=6))})["held"]
     assert tokenizer.eos_token_id not in held.token_ids[:6]
     assert len(held.token_ids) >= 6
+
+
+def test_a_draw_is_fixed_by_seed_and_position_and_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    assert draw(probs, seed=7, position=3) == draw(probs.clone(), seed=7, position=3)
+    by_position = {draw(probs, seed=7, position=p) for p in range(40)}
+    assert len(by_position) > 1  # positions are not one stream replayed
+    counts = torch.bincount(torch.tensor([draw(probs, s, 0) for s in range(20_000)]), minlength=5)
+    assert counts[4] == 0  # a token of probability zero never wins the race
+    expected = probs[:4] * counts.sum()
+    chi2 = float(((counts[:4] - expected) ** 2 / expected).sum())
+    assert chi2 < 16.27  # 3 degrees of freedom, p = 0.001

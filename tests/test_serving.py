@@ -7,7 +7,9 @@ in about a minute. Counts are checked against the real tokenizer.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import httpx
@@ -133,3 +135,45 @@ def test_context_length_exceeded_names_the_real_token_counts(base_url: str, toke
     num_prompt = _num_chat_tokens(tokenizer, QUESTION)
     for number in (MAX_MODEL_LEN, num_prompt + MAX_MODEL_LEN, num_prompt):
         assert str(number) in error["message"]
+
+
+@pytest.mark.parametrize("tier", ["interactive", "batch"])
+def test_a_seeded_request_gives_the_same_text_cold_warm_and_in_a_busy_batch(
+    client: openai.OpenAI, tier: str
+) -> None:
+    """Five runs of one seeded sampling request on each pool (speculating interactive,
+    plain offline): the first computes the whole prompt, the next reads it from the prefix
+    cache, the last three share their steps with other requests."""
+    messages = [{"role": "user", "content": f"Invent a name for a {tier} sailing boat."}]
+    extra = {"extra_headers": {"X-SLA-Tier": tier}}
+
+    def seeded() -> str:
+        completion = client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0.9, seed=1234, max_tokens=16, **extra
+        )
+        return completion.choices[0].message.content
+
+    def other(i: int) -> bool:
+        """One request beside the seeded one; False if the tier turned it away."""
+        question = [{"role": "user", "content": f"Count to {i + 3} in words, then explain. " * i}]
+        try:
+            client.chat.completions.create(
+                model=MODEL, messages=question, temperature=1.0, max_tokens=12, **extra
+            )
+        except openai.RateLimitError:
+            return False
+        return True
+
+    texts = [seeded(), seeded()]
+    num_served_beside = 0
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            # The seeded request first, so that an interactive pool under its SLO does
+            # not turn it away; the others join its batch while it decodes.
+            run = pool.submit(seeded)
+            time.sleep(0.2)
+            busy = [pool.submit(other, i) for i in range(1, 4)]
+            texts.append(run.result())
+            num_served_beside += sum(future.result() for future in busy)
+    assert texts == [texts[0]] * 5
+    assert num_served_beside > 0

@@ -18,7 +18,7 @@ from engine.engine import LLMEngine
 from engine.model.chat import chat_prompt_ids
 from engine.outputs import EngineStats
 from engine.request import Request
-from engine.sampler import SampleRow, probs_for, verify
+from engine.sampler import SampleRow, draw, probs_for, sample_row, verify
 from engine.sampling_params import SamplingParams
 from engine.spec_decode import (
     Backoff,
@@ -350,10 +350,10 @@ DRAFT_LOGITS = torch.tensor(
     ]
 )  # [k, V]: a draft that disagrees with the target everywhere it can
 
-Rule = Callable[[torch.Tensor, SampleRow, list[int], torch.Tensor | None], tuple[list[int], list]]
+Rule = Callable[[torch.Tensor, SampleRow, list[int]], tuple[list[int], list]]
 
 
-def always_accept(logits, row, draft_token_ids, draft_probs):
+def always_accept(logits, row, draft_token_ids):
     """A deliberately wrong rule: keep every draft (then a bonus token, here the argmax)."""
     return [*draft_token_ids, int(logits[len(draft_token_ids)].argmax())], []
 
@@ -363,21 +363,21 @@ def emitted_counts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Counts of the first emitted token, and of the second where the first draft survived.
 
-    Drafts are drawn from q (the processed draft distributions) for `draft="sampled"`;
+    Drafts are drawn from the draft's processed distributions for `draft="sampled"`, with
+    the noise the target draws with (as engine.spec_decode's draft model does);
     `draft="one-hot"` proposes the same tokens every time, as prompt lookup does.
     """
     logits = TARGET_LOGITS[: k + 1]
-    draws = torch.Generator().manual_seed(seed)
-    if draft == "sampled":
-        q = torch.stack([probs_for(row, params) for row in DRAFT_LOGITS[:k]])  # [k, V]
-        drafts = torch.multinomial(q, NUM_SAMPLES, replacement=True, generator=draws).T.tolist()
-    else:
-        q = None
-        drafts = [[1, 4, 2][:k]] * NUM_SAMPLES  # token 1 is unlikely under the target
-    row = SampleRow(params, torch.Generator().manual_seed(seed + 1), [], 0, ())
+    q = [probs_for(row, params) for row in DRAFT_LOGITS[:k]]
     first, second = torch.zeros(6), torch.zeros(6)
-    for draft_ids in drafts:
-        tokens, _ = rule(logits, row, draft_ids, q)
+    for trial in range(NUM_SAMPLES):  # each trial is a request with its own seed
+        trial_seed = seed * NUM_SAMPLES + trial
+        row = SampleRow(params, trial_seed, [], 0, ())
+        if draft == "sampled":  # as the draft model does: racing with the target's noise
+            draft_ids = [draw(q[i], trial_seed, i) for i in range(k)]
+        else:
+            draft_ids = [1, 4, 2][:k]  # token 1 is unlikely under the target
+        tokens, _ = rule(logits, row, draft_ids)
         first[tokens[0]] += 1
         if len(tokens) > 1:
             second[tokens[1]] += 1
@@ -406,7 +406,7 @@ SAMPLING_CASES = {
 
 
 @pytest.mark.parametrize("case", list(SAMPLING_CASES))
-def test_rejection_sampling_keeps_target_distribution(case):
+def test_verification_keeps_target_distribution(case):
     params, k, draft = SAMPLING_CASES[case]
     first, second = emitted_counts(verify, params, k, draft, seed=11)
     assert chi2_passes(first, probs_for(TARGET_LOGITS[0], params))
@@ -416,6 +416,22 @@ def test_rejection_sampling_keeps_target_distribution(case):
 
     wrong, _ = emitted_counts(always_accept, params, k, draft, seed=11)
     assert not chi2_passes(wrong, probs_for(TARGET_LOGITS[0], params)), "the check is too weak"
+
+
+@pytest.mark.parametrize("case", list(SAMPLING_CASES))
+def test_verified_tokens_are_those_sampling_without_drafts_gives(case):
+    params, k, _ = SAMPLING_CASES[case]
+    logits = TARGET_LOGITS[: k + 1]
+    rng = random.Random(5)
+    for seed in range(200):
+        row = SampleRow(params, seed, [], 3, ())
+        plain = [
+            sample_row(logits[i], SampleRow(params, seed, [], 3 + i, ())) for i in range(k + 1)
+        ]
+        draft = [rng.randrange(6) for _ in range(k)]
+        tokens, _ = verify(logits, row, draft)
+        kept = next((i for i in range(k) if draft[i] != plain[i]), k)
+        assert tokens == plain[: kept + 1], (seed, draft)
 
 
 # ---- back-off, proposers, who speculates ------------------------------------

@@ -17,6 +17,7 @@ import os
 import platform
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -35,6 +36,8 @@ COMPILE_FLAGS = (
 LINK_FLAGS = ("-shared", "-lm")
 """Linked in a separate step without -ffast-math: linking with it would add crtfastmath,
 whose constructor switches the whole process to flush-denormals-to-zero."""
+PARALLEL_MIN_QUERIES = 32
+"""Fewer queries than this run on the calling thread: a hand-off costs more than it saves."""
 _ENTRY_POINTS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
 _ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
 _ARGTYPES += [ctypes.c_int64] * 5 + [ctypes.c_float]
@@ -54,20 +57,49 @@ def paged_attention(
     visible: torch.Tensor,  # [N] int64: context positions each query sees
     block_size: int,
 ) -> torch.Tensor:
-    """[N, H, D] attention outputs, read straight from the paged cache."""
+    """[N, H, D] attention outputs, read straight from the paged cache.
+
+    The queries are split over torch's intra-op thread count (ctypes releases the
+    GIL); each query is computed alone either way, so the split changes no bit."""
     lib = _library()
     assert lib is not None, "call available() first"
     q = q.contiguous()
     out = torch.empty_like(q)
     num_queries, num_heads, head_dim = q.shape
-    status = getattr(lib, _ENTRY_POINTS[q.dtype])(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-        block_tables.data_ptr(), block_tables.shape[1], query_seq.data_ptr(), visible.data_ptr(),
-        num_queries, num_heads, k_cache.shape[1], head_dim, block_size, head_dim**-0.5,
-    )  # fmt: skip
-    if status != 0:
+    entry = getattr(lib, _ENTRY_POINTS[q.dtype])
+    row_bytes = num_heads * head_dim * q.element_size()
+
+    def run(start: int, end: int) -> int:
+        """The kernel over queries [start, end): offsets into q, out and the index arrays."""
+        return entry(
+            q.data_ptr() + start * row_bytes, k_cache.data_ptr(), v_cache.data_ptr(),
+            out.data_ptr() + start * row_bytes, block_tables.data_ptr(), block_tables.shape[1],
+            query_seq.data_ptr() + start * 8, visible.data_ptr() + start * 8, end - start,
+            num_heads, k_cache.shape[1], head_dim, block_size, head_dim**-0.5,
+        )  # fmt: skip
+
+    ranges = _query_ranges(visible, torch.get_num_threads())
+    statuses = _executor(len(ranges)).map(lambda bounds: run(*bounds), ranges)
+    if any(list(statuses)):
         raise ValueError(f"paged attention: head_dim {head_dim} or GQA group too large")
     return out
+
+
+def _query_ranges(visible: torch.Tensor, num_threads: int) -> list[tuple[int, int]]:
+    """Contiguous query ranges, one per thread, of about equal work (the context each
+    query reads); one range when there are too few queries to be worth a thread."""
+    num_queries = visible.shape[0]
+    parts = max(1, num_threads) if num_queries >= PARALLEL_MIN_QUERIES else 1
+    work = visible.cumsum(0)
+    shares = work[-1] * torch.arange(1, parts) / parts
+    inner = torch.searchsorted(work, shares).tolist()
+    bounds = [0, *inner, num_queries]
+    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+
+
+@functools.cache
+def _executor(num_threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(num_threads, thread_name_prefix="paged-attention")
 
 
 @functools.cache

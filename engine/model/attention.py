@@ -18,6 +18,7 @@ plain causal mask.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -102,9 +103,12 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         native_kernel: bool = True,
+        all_in_kernel: bool = False,
     ) -> AttentionMetadata:
         """Describe one step: sequence b computes its last `q_lens[b]` of `kv_lens[b]` tokens.
-        `native_kernel=False` keeps short queries on the torch path (EngineConfig's switch)."""
+        `native_kernel=False` keeps short queries on the torch path (EngineConfig's switch);
+        `all_in_kernel` sends prefill chunks to the kernel too, where each query is computed
+        the same way whatever the chunk (engine.model.batch_invariance)."""
         starts = torch.cumsum(torch.tensor([0] + q_lens[:-1]), 0).tolist()
         seqs = [_Seq(*fields) for fields in zip(q_lens, kv_lens, block_tables, starts, strict=True)]
         positions = [torch.arange(s.kv_len - s.q_len, s.kv_len) for s in seqs]
@@ -112,10 +116,11 @@ class AttentionMetadata:
             torch.tensor(s.block_table)[pos // block_size] * block_size + pos % block_size
             for s, pos in zip(seqs, positions, strict=True)
         ]
-        short = [s for s in seqs if s.q_len <= SHORT_QUERY_MAX]
-        long = [s for s in seqs if s.q_len > SHORT_QUERY_MAX]
         on_cpu = torch.device(device).type == "cpu"
         in_place = native_kernel and on_cpu and kernels.available(dtype)
+        short_max = math.inf if in_place and all_in_kernel else SHORT_QUERY_MAX
+        short = [s for s in seqs if s.q_len <= short_max]
+        long = [s for s in seqs if s.q_len > short_max]
         groups: list[AttentionGroup | KernelGroup] = []
         if short:
             groups.append(

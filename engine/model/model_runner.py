@@ -4,8 +4,8 @@ The scheduler says which requests compute how many tokens; the runner packs
 those tokens into one row, runs the model once, takes logits only where a
 request has caught up with its tokens (the positions that produce new ones),
 and turns them into tokens: one batched draw for plain rows, an exact
-verification for each request with drafts. Row offsets and per-request
-random generators live here and nowhere else.
+verification for each request with drafts. Row offsets live here and
+nowhere else.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.kernels import paged_attention as kernels
 from engine.model.attention import AttentionMetadata
+from engine.model.batch_invariance import make_batch_invariant
 from engine.model.llama import LayerKV, LlamaForCausalLM
 from engine.model.packed_linear import can_pack, pack_linears
 from engine.outputs import RunnerOutput
@@ -57,9 +59,15 @@ class ModelRunner:
         self.native_attention = config.native_attention
         if can_pack(config.device, self.dtype):
             pack_linears(model)
+        self.batch_invariant = config.batch_invariant and self._make_batch_invariant()
         self.kv_caches = self._allocate_kv_cache(num_blocks)
-        self._seed_source = torch.Generator().manual_seed(config.seed)
-        self._generators: dict[str, torch.Generator] = {}
+
+    def _make_batch_invariant(self) -> bool:
+        """Matmuls padded to invariant row counts, every query through the paged kernel."""
+        if not (self.native_attention and kernels.available(self.dtype)):
+            log.warning("batch invariance needs the paged-attention kernel: not available")
+            return False
+        return make_batch_invariant(self.model, self.dtype)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[LayerKV]:
         args = self.model.args
@@ -85,10 +93,6 @@ class ModelRunner:
         logits = self.compute_logits(batch)
         return self.sample(batch, logits, scheduled.drafts)
 
-    def release(self, request_id: str) -> None:
-        """Forget a finished request's random generator."""
-        self._generators.pop(request_id, None)
-
     def prepare(self, num_new_tokens: dict[Request, int]) -> StepBatch:
         """Pack each request's next `num_new_tokens` tokens (drafts included) into one batch."""
         input_ids: list[int] = []
@@ -111,8 +115,9 @@ class ModelRunner:
                 num_rows.append(rows)
                 logits_rows.extend(range(len(input_ids) - rows, len(input_ids)))
         meta = AttentionMetadata.build(
-            q_lens, kv_lens, tables, self.block_size, self.device, self.dtype, self.native_attention
-        )
+            q_lens, kv_lens, tables, self.block_size, self.device, self.dtype,
+            self.native_attention, all_in_kernel=self.batch_invariant,
+        )  # fmt: skip
         return StepBatch(
             input_ids=torch.tensor(input_ids, device=self.device),
             meta=meta,
@@ -123,8 +128,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, batch: StepBatch) -> torch.Tensor:
-        """fp32 logits [sum(num_logits_rows), vocab], on the CPU where the sampler's
-        per-request generators live (a no-op copy on a CPU device)."""
+        """fp32 logits [sum(num_logits_rows), vocab], on the CPU where the sampler draws
+        (a no-op copy on a CPU device)."""
         hidden = self.model(batch.input_ids, batch.meta, self.kv_caches)
         return self.model.compute_logits(hidden[batch.logits_index]).cpu()
 
@@ -180,8 +185,7 @@ class ModelRunner:
     def _verify(
         self, request: Request, logits: torch.Tensor, draft: Proposal, out: RunnerOutput
     ) -> None:
-        probs = None if draft.probs is None else draft.probs[: len(draft.token_ids)]
-        token_ids, logprobs = verify(logits, self._sample_row(request), draft.token_ids, probs)
+        token_ids, logprobs = verify(logits, self._sample_row(request), draft.token_ids)
         out.sampled_token_ids[request] = token_ids
         if request.params.logprobs:
             out.logprobs[request] = logprobs
@@ -190,24 +194,13 @@ class ModelRunner:
         params = request.params
         return SampleRow(
             params=params,
-            generator=self._generator(request),
+            seed=request.sampling_seed,
             seen_token_ids=request.token_ids if params.repetition_penalty != 1.0 else [],
             num_output_tokens=request.num_output_tokens,
             banned_until_min_tokens=(
                 tuple(request.eos_token_ids) + params.stop_token_ids if params.min_tokens else ()
             ),
         )
-
-    def _generator(self, request: Request) -> torch.Generator:
-        """The request's own generator: seeded by the request, else drawn from the engine's seed."""
-        generator = self._generators.get(request.request_id)
-        if generator is None:
-            seed = request.params.seed
-            if seed is None:
-                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
-            generator = torch.Generator().manual_seed(seed)
-            self._generators[request.request_id] = generator
-        return generator
 
 
 def _guarded(request: Request, out: RunnerOutput, work: Callable[..., None], *args: object) -> None:
