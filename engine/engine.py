@@ -22,7 +22,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
 from engine.kv_cache import KVCacheManager
 from engine.model.model_runner import ModelRunner
-from engine.outputs import EngineStats, RequestOutput, RunnerOutput
+from engine.outputs import EngineStats, RequestOutput, RunnerOutput, TokenLogprob
 from engine.quant.prepare import prepare_model
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -260,7 +260,7 @@ class LLMEngine:
         self,
         tracked: _Tracked,
         token_ids: list[int],
-        logprobs: list[float] | None,
+        logprobs: list[TokenLogprob] | None,
         text: str,
         reason: str | None,
         error: str | None = None,

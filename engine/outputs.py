@@ -4,8 +4,17 @@ back (one RequestOutput per request per step, and live stats)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.request import Request
+
+
+class TokenLogprob(NamedTuple):
+    """A chosen token's log-probability under the raw model, and the likeliest tokens'."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    """(token id, log-probability) of the `params.logprobs` likeliest, most likely first."""
 
 
 @dataclass(frozen=True)
@@ -14,8 +23,8 @@ class RunnerOutput:
 
     sampled_token_ids: dict[Request, list[int]] = field(default_factory=dict)
     """Accepted drafts then one sampled token; the scheduler cuts at a stop."""
-    logprobs: dict[Request, list[float]] = field(default_factory=dict)
-    """Log-probability of each sampled token, only for requests that asked."""
+    logprobs: dict[Request, list[TokenLogprob]] = field(default_factory=dict)
+    """Of each sampled token, only for requests that asked."""
     failed: dict[Request, str] = field(default_factory=dict)
     """Requests whose own sampling raised, with the error: they end, the batch goes on."""
 
@@ -32,7 +41,8 @@ class RequestOutput:
     """`stop`, `length`, `abort` or `error` once finished."""
     error: str | None = None
     """What went wrong, when finish_reason is `error` (the request alone failed)."""
-    new_logprobs: list[float] | None = None
+    new_logprobs: list[TokenLogprob] | None = None
+    """One per new token, when the request asked for logprobs."""
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0

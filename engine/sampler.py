@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 NOISE_FLOOR = 1e-30
@@ -38,7 +39,9 @@ class SampleRow:
     """EOS and stop token ids, masked while fewer than min_tokens were produced."""
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[float | None]]:
+def sample(
+    logits: torch.Tensor, rows: list[SampleRow]
+) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row of `logits` [N, V], and its log-probability under the raw model for
     the rows whose request asked for logprobs (None for the others: no softmax is spent)."""
     argmax = logits.argmax(dim=-1).tolist()  # one batched call serves every plain greedy row
@@ -47,16 +50,27 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
         for i, row in enumerate(rows)
     ]
     logprobs = [
-        token_logprobs(logits[i : i + 1], [token])[0] if row.params.logprobs else None
+        None if row.params.logprobs is None else token_logprobs(logits[i : i + 1], [token], row)[0]
         for i, (row, token) in enumerate(zip(rows, token_ids, strict=True))
     ]
     return token_ids, logprobs
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: list[int]) -> list[float]:
-    """log p(token_ids[i]) under row i of `logits` [N, V]: the raw model's distribution."""
-    chosen = logits[torch.arange(len(token_ids)), torch.tensor(token_ids, dtype=torch.long)]
-    return (chosen - torch.logsumexp(logits, dim=-1)).tolist()
+def token_logprobs(
+    logits: torch.Tensor, token_ids: list[int], row: SampleRow
+) -> list[TokenLogprob]:
+    """Of token_ids[i] under row i of `logits` [N, V] (the raw model's distribution), with
+    the likeliest `row.params.logprobs` alternatives at each position."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs[torch.arange(len(token_ids)), torch.tensor(token_ids, dtype=torch.long)]
+    num_top = row.params.logprobs or 0
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    return [
+        TokenLogprob(logprob, tuple(zip(ids, values, strict=True)))
+        for logprob, ids, values in zip(
+            chosen.tolist(), top_ids.tolist(), top_values.tolist(), strict=True
+        )
+    ]
 
 
 def _is_plain_greedy(row: SampleRow) -> bool:
@@ -136,7 +150,7 @@ def verify(
     logits: torch.Tensor,  # [k + 1, V] target logits at the last real token and each draft
     row: SampleRow,
     draft_token_ids: list[int],
-) -> tuple[list[int], list[float]]:
+) -> tuple[list[int], list[TokenLogprob]]:
     """Speculative verification: accepted drafts, then one correction or bonus token.
 
     At each position the target's own token is drawn (`sample_row`: the argmax,
@@ -155,6 +169,6 @@ def verify(
         tokens.append(token)
         if i == len(draft_token_ids) or token != draft_token_ids[i]:
             break
-    if not row.params.logprobs:
+    if row.params.logprobs is None:
         return tokens, []
-    return tokens, token_logprobs(logits[: len(tokens)], tokens)
+    return tokens, token_logprobs(logits[: len(tokens)], tokens, row)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives a request may ask log-probabilities of, per token (OpenAI's limit)."""
 GREEDY_BELOW_TEMPERATURE = 1e-5
 """Temperatures below this are greedy (vLLM's rule): dividing logits by 1e-300 overflows."""
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -31,8 +33,9 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
-    logprobs: bool = False
-    """Return the log-probability of each chosen token."""
+    logprobs: int | None = None
+    """Return each chosen token's log-probability and those of the `logprobs` likeliest
+    tokens at its position (vLLM's convention: 0 is the chosen token alone; None: none)."""
 
     def __post_init__(self) -> None:
         # Normalise list inputs from JSON so the dataclass stays hashable.
@@ -64,6 +67,8 @@ class SamplingParams:
             )
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

@@ -43,7 +43,7 @@ WORKLOADS = {  # name: (requests, prompt tokens, output tokens)
     "prefill_512": (1, 512, 1),
     "prefill_1500": (1, 1500, 1),
 }
-SEEDED = SamplingParams(max_tokens=32, temperature=0.9, seed=1234, logprobs=True)
+SEEDED = SamplingParams(max_tokens=32, temperature=0.9, seed=1234, logprobs=5)
 
 
 def random_prompt(rng: random.Random, num_tokens: int) -> list[int]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from engine.engine import LLMEngine
 from engine.kv_cache import KVCacheManager
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, TokenLogprob
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -29,7 +29,7 @@ class Completion:
 
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int = 0
 

@@ -72,7 +72,7 @@ def test_batched_chunked_preempted_greedy_matches_transformers(make_engine, hf_m
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     assert len({len(p) for p in prompts}) == len(prompts)
     assert max(len(p) for p in prompts) > 2 * TIGHT["max_num_batched_tokens"]
-    params = greedy(MAX_TOKENS, logprobs=True)
+    params = greedy(MAX_TOKENS, logprobs=3)
     requests = {f"p{i}": (prompt, params) for i, prompt in enumerate(prompts)}
 
     completions = run_requests(engine, requests)
@@ -85,7 +85,9 @@ def test_batched_chunked_preempted_greedy_matches_transformers(make_engine, hf_m
         their_logprobs = torch.log_softmax(their_logits, -1)
         for i, (token, logprob) in enumerate(zip(ours.token_ids, ours.logprobs, strict=True)):
             if token == theirs[i]:
-                assert logprob == pytest.approx(float(their_logprobs[i, token]), abs=1e-3)
+                assert logprob.logprob == pytest.approx(float(their_logprobs[i, token]), abs=1e-3)
+                top_values, _ = their_logprobs[i].topk(3)
+                assert [lp for _, lp in logprob.top] == pytest.approx(top_values.tolist(), abs=1e-3)
 
 
 def test_repetition_penalty_matches_transformers(engine, hf_model, tokenizer):

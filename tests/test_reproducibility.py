@@ -20,7 +20,7 @@ PROMPT = (
     "The lighthouse keeper wrote in her log every night: the wind, the ships, the sea. "
     "The lighthouse keeper wrote in her log"
 )
-SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, logprobs=True)
+SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, logprobs=5)
 NGRAM = SpecDecodeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3)
 
 

@@ -116,12 +116,19 @@ def test_min_tokens_bans_stop_tokens_only_until_reached():
     assert sample(logits, [row(params, num_output=2, banned=(0,))])[0] == [0]
 
 
-def test_logprob_is_of_the_chosen_token_under_the_raw_model():
+def test_logprob_is_of_the_chosen_token_under_the_raw_model_with_the_likeliest_beside():
     logits = torch.tensor([[1.0, 3.0, 2.0]])
-    params = SamplingParams(temperature=0.0, repetition_penalty=3.0, logprobs=True)
+    raw = torch.log_softmax(logits[0], -1)
+    params = SamplingParams(temperature=0.0, repetition_penalty=3.0, logprobs=2)
     token_ids, logprobs = sample(logits, [row(params, seen=(1,))])
     assert token_ids == [2]
-    assert logprobs[0] == pytest.approx(float(torch.log_softmax(logits[0], -1)[2]))
+    assert logprobs[0] is not None
+    assert logprobs[0].logprob == pytest.approx(float(raw[2]))
+    assert [t for t, _ in logprobs[0].top] == [1, 2]  # by raw likelihood, penalty or not
+    assert [lp for _, lp in logprobs[0].top] == pytest.approx([float(raw[1]), float(raw[2])])
+    chosen_only = SamplingParams(temperature=0.0, logprobs=0)
+    assert sample(logits, [row(chosen_only)])[1][0].top == ()
+    assert sample(logits, [row(SamplingParams(temperature=0.0))])[1] == [None]
 
 
 def test_sample_with_no_rows_returns_nothing():

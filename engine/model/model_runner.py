@@ -22,7 +22,7 @@ from engine.model.attention import AttentionMetadata
 from engine.model.batch_invariance import make_batch_invariant
 from engine.model.llama import LayerKV, LlamaForCausalLM
 from engine.model.packed_linear import can_pack, pack_linears
-from engine.outputs import RunnerOutput
+from engine.outputs import RunnerOutput, TokenLogprob
 from engine.request import Request
 from engine.sampler import SampleRow, sample, verify
 from engine.scheduler import SchedulerOutput
@@ -174,7 +174,7 @@ class ModelRunner:
     def _record(
         requests: list[Request],
         token_ids: list[int],
-        logprobs: list[float | None],
+        logprobs: list[TokenLogprob | None],
         out: RunnerOutput,
     ) -> None:
         for request, token_id, logprob in zip(requests, token_ids, logprobs, strict=True):
@@ -187,7 +187,7 @@ class ModelRunner:
     ) -> None:
         token_ids, logprobs = verify(logits, self._sample_row(request), draft.token_ids)
         out.sampled_token_ids[request] = token_ids
-        if request.params.logprobs:
+        if request.params.logprobs is not None:
             out.logprobs[request] = logprobs
 
     def _sample_row(self, request: Request) -> SampleRow:
