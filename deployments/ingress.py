@@ -271,7 +271,13 @@ class Ingress:
             key=call.caller,
             tier=tier,
             pool=pool,
-            endpoint=endpoint_cls(request_id, int(time.time()), body.model),
+            endpoint=endpoint_cls(
+                request_id,
+                int(time.time()),
+                body.model,
+                self._tokenizer,
+                with_logprobs=body.num_logprobs is not None,
+            ),
             body=body,
             prompts=prompts,
             params=sampling_params(body, max_tokens),
@@ -353,9 +359,8 @@ class Ingress:
             for chunk in endpoint.opening(len(job.choices)):
                 yield _event(chunk)
             async for index, output in events:
-                finish_reason = output.finish_reason if output.finished else None
-                if output.new_text or finish_reason:
-                    yield _event(endpoint.delta(index, output.new_text, finish_reason))
+                if output.new_text or output.finished or output.new_logprobs:
+                    yield _event(endpoint.delta(index, output, job.choices[index]))
             if job.body.include_usage_chunk:
                 yield _event(endpoint.usage_chunk(usage(job.choices)))
         except ApiError as error:

@@ -15,8 +15,10 @@ from pydantic import BaseModel, ValidationError
 
 from deployments import schemas as s
 from deployments.errors import bad_request
+from deployments.logprobs import chat_logprobs, completion_logprobs
 from deployments.streaming import ChoiceProgress, usage
 from engine.model.chat import chat_prompt_ids
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 
@@ -43,6 +45,7 @@ def sampling_params(body: s.SamplingFields, max_tokens: int) -> SamplingParams:
             seed=body.seed,
             stop=tuple(body.stop),
             ignore_eos=body.ignore_eos,
+            logprobs=body.num_logprobs,
         )
     except ValueError as error:
         raise bad_request(str(error)) from None
@@ -59,6 +62,9 @@ class Endpoint(ABC):
     response_id: str
     created: int
     model: str
+    tokenizer: Any
+    """Names the tokens of logprobs."""
+    with_logprobs: bool = False
 
     @staticmethod
     @abstractmethod
@@ -70,8 +76,9 @@ class Endpoint(ABC):
         return []
 
     @abstractmethod
-    def delta(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
-        """A stream chunk carrying new text (and the finish reason, at the end) of one choice."""
+    def delta(self, index: int, output: RequestOutput, choice: ChoiceProgress) -> BaseModel:
+        """A stream chunk carrying the new text (and logprobs, and the finish reason at the
+        end) of one choice; `choice` already holds the output."""
 
     @abstractmethod
     def usage_chunk(self, usage: s.Usage) -> BaseModel:
@@ -104,10 +111,20 @@ class ChatEndpoint(Endpoint):
             for i in range(num_choices)
         ]
 
-    def delta(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
+    def delta(self, index: int, output: RequestOutput, choice: ChoiceProgress) -> BaseModel:
         """A `chat.completion.chunk` with the choice's new content."""
-        delta = s.ChatDelta(content=text)
-        return self._chunk(s.ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason))
+        logprobs = None
+        if self.with_logprobs:
+            new_logprobs = output.new_logprobs or []
+            logprobs = chat_logprobs(self.tokenizer, output.new_token_ids, new_logprobs)
+        return self._chunk(
+            s.ChatChunkChoice(
+                index=index,
+                delta=s.ChatDelta(content=output.new_text),
+                logprobs=logprobs,
+                finish_reason=_finish_reason(output),
+            )
+        )
 
     def usage_chunk(self, usage: s.Usage) -> BaseModel:
         """A chunk with no choices and the usage."""
@@ -125,6 +142,11 @@ class ChatEndpoint(Endpoint):
                 s.ChatChoice(
                     index=i,
                     message=s.ChatResponseMessage(content=c.text),
+                    logprobs=(
+                        chat_logprobs(self.tokenizer, c.token_ids, c.logprobs)
+                        if self.with_logprobs
+                        else None
+                    ),
                     finish_reason=c.finish_reason,
                 )
                 for i, c in enumerate(choices)
@@ -148,10 +170,24 @@ class CompletionEndpoint(Endpoint):
         """Each prompt tokenized as is (no template)."""
         return [tokenizer.encode(prompt) for prompt in body.prompt]
 
-    def delta(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
+    def delta(self, index: int, output: RequestOutput, choice: ChoiceProgress) -> BaseModel:
         """A `text_completion` chunk with the choice's new text."""
-        choice = s.CompletionChoice(index=index, text=text, finish_reason=finish_reason)
-        return self._body([choice])
+        logprobs = None
+        if self.with_logprobs:
+            offset = len(choice.text) - len(output.new_text)
+            logprobs = completion_logprobs(
+                self.tokenizer, output.new_token_ids, output.new_logprobs or [], offset
+            )
+        return self._body(
+            [
+                s.CompletionChoice(
+                    index=index,
+                    text=output.new_text,
+                    logprobs=logprobs,
+                    finish_reason=_finish_reason(output),
+                )
+            ]
+        )
 
     def usage_chunk(self, usage: s.Usage) -> BaseModel:
         """A chunk with no choices and the usage."""
@@ -161,7 +197,16 @@ class CompletionEndpoint(Endpoint):
         """A `text_completion` with every choice and the usage."""
         return self._body(
             [
-                s.CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason)
+                s.CompletionChoice(
+                    index=i,
+                    text=c.text,
+                    logprobs=(
+                        completion_logprobs(self.tokenizer, c.token_ids, c.logprobs, 0)
+                        if self.with_logprobs
+                        else None
+                    ),
+                    finish_reason=c.finish_reason,
+                )
                 for i, c in enumerate(choices)
             ],
             usage(choices),
@@ -175,3 +220,7 @@ class CompletionEndpoint(Endpoint):
             choices=choices,
             usage=usage,
         )
+
+
+def _finish_reason(output: RequestOutput) -> str | None:
+    return output.finish_reason if output.finished else None

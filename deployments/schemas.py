@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from engine.sampling_params import SEED_MAX, SEED_MIN
+from engine.sampling_params import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
 
 
 def _as_list(value: Any) -> Any:
@@ -79,6 +79,12 @@ class SamplingFields(_Request):
         return self.max_tokens
 
     @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token to return log-probabilities of (0: the chosen token's
+        alone; None: no logprobs), whatever the endpoint calls the fields."""
+        return None
+
+    @property
     def include_usage_chunk(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
@@ -109,11 +115,25 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     """OpenAI's newer name for max_tokens; wins when both are given."""
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    """Alternatives per token; OpenAI accepts it only with `logprobs: true`."""
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
 
     @property
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens`, else `max_tokens`."""
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """`top_logprobs` alternatives when `logprobs` is true."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingFields):
@@ -123,6 +143,13 @@ class CompletionRequest(SamplingFields):
     """Each prompt is sampled n times; a single string is a list of one."""
     max_tokens: int | None = Field(default=16, ge=1)
     """OpenAI's default for text completions."""
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    """Alternatives per token whose log-probabilities come back (0: the chosen token's)."""
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """The `logprobs` count."""
+        return self.logprobs
 
 
 class Usage(BaseModel):
@@ -131,6 +158,35 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    """A token's text, log-probability and UTF-8 bytes (OpenAI's chat logprobs entry)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    """A chosen token with the likeliest alternatives at its position."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's (or chunk's) `logprobs`: one entry per token."""
+
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    """A text completion choice's `logprobs`: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
 
 
 class ChatDelta(BaseModel):
@@ -145,6 +201,7 @@ class ChatChunkChoice(BaseModel):
 
     index: int
     delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -176,6 +233,7 @@ class ChatChoice(BaseModel):
 
     index: int
     message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -193,7 +251,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(_Completion):

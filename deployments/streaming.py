@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from deployments.schemas import Usage
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, TokenLogprob
 
 T = TypeVar("T")
 
@@ -22,6 +22,9 @@ class ChoiceProgress:
     prompt_index: int
     """Which of the request's prompts this choice samples from."""
     text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """One per token, when the request asked for logprobs."""
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     first_token_s: float | None = None
@@ -41,6 +44,8 @@ class ChoiceProgress:
             self.first_token_s = self.first_token_s or now_s
             self.last_token_s = now_s
         self.text_parts.append(output.new_text)
+        self.token_ids += output.new_token_ids
+        self.logprobs += output.new_logprobs or []
         self.num_prompt_tokens = output.num_prompt_tokens or self.num_prompt_tokens
         self.num_output_tokens += num_new
         if self.queue_time_s is None:

@@ -177,3 +177,64 @@ def test_a_seeded_request_gives_the_same_text_cold_warm_and_in_a_busy_batch(
             num_served_beside += sum(future.result() for future in busy)
     assert texts == [texts[0]] * 5
     assert num_served_beside > 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_name_each_token_with_its_likeliest_alternatives(
+    client: openai.OpenAI, stream: bool
+) -> None:
+    request = dict(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=6, logprobs=True,
+        top_logprobs=3, stream=stream, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    if stream:
+        chunks = list(client.chat.completions.create(**request))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        entries = [e for c in chunks if c.choices and c.choices[0].logprobs
+                   for e in c.choices[0].logprobs.content]  # fmt: skip
+    else:
+        completion = client.chat.completions.create(**request)
+        text = completion.choices[0].message.content
+        entries = completion.choices[0].logprobs.content
+    assert len(entries) == 6
+    assert "".join(e.token for e in entries) == text
+    for entry in entries:  # greedy: the chosen token is the likeliest
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.logprob <= 0 and bytes(entry.bytes).decode() == entry.token
+
+
+def test_completion_logprobs_are_parallel_lists_with_offsets(client: openai.OpenAI) -> None:
+    completion = client.completions.create(
+        model=MODEL, prompt="The quick brown fox", max_tokens=5, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    choice = completion.choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 5
+    assert "".join(logprobs.tokens) == choice.text
+    assert logprobs.text_offset == [
+        sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))
+    ]
+    for token, logprob, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        assert len(top) == 2 and max(top, key=top.get) == token
+        assert logprob == pytest.approx(top[token])
+
+
+def test_logprobs_out_of_range_or_without_the_switch_are_400(base_url: str) -> None:
+    bodies = [
+        {"messages": QUESTION, "top_logprobs": 2},  # OpenAI requires logprobs: true
+        {"messages": QUESTION, "logprobs": True, "top_logprobs": 21},
+        {"prompt": "Hi", "logprobs": -1},
+    ]
+    for body in bodies:
+        path = "chat/completions" if "messages" in body else "completions"
+        response = httpx.post(f"{base_url}/v1/{path}", json={"model": MODEL, **body}, timeout=30)
+        assert response.status_code == 400, body
+        assert response.json()["error"]["type"] == "invalid_request_error"
