@@ -14,7 +14,7 @@ import logging
 import random
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
@@ -44,6 +44,9 @@ class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer
     stop_filter: StopStringFilter
+    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    """Scores of prompt tokens by index, gathered over the prompt's chunks (a chunk
+    recomputed after preemption overwrites its own)."""
 
 
 class LLMEngine:
@@ -182,6 +185,8 @@ class LLMEngine:
         if not scheduled.num_new_tokens:
             return []
         result = self._execute(scheduled)
+        for request, (first, scores) in result.prompt_logprobs.items():
+            self.requests[request.request_id].prompt_logprobs.update(enumerate(scores, first))
         if self.speculator is not None:
             self.speculator.record(scheduled.drafts, result)
         kept = self.scheduler.update(scheduled, result)
@@ -273,6 +278,7 @@ class LLMEngine:
             finished=reason is not None,
             finish_reason=reason,
             new_logprobs=logprobs,
+            prompt_logprobs=_prompt_logprobs(tracked, token_ids),
             num_prompt_tokens=len(request.prompt_token_ids),
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
@@ -336,6 +342,16 @@ def _speculator(config: EngineConfig, num_blocks: int) -> Speculator | None:
     runner = ModelRunner(draft_model, num_blocks, draft_config)
     kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=False)
     return build_speculator(spec, DraftModelProposer(runner, kv))
+
+
+def _prompt_logprobs(tracked: _Tracked, token_ids: list[int]) -> list[TokenLogprob | None] | None:
+    """The prompt's scores, in the request's first output with tokens (else None)."""
+    request = tracked.request
+    first_output = bool(token_ids) and request.num_output_tokens == len(token_ids)
+    if request.params.prompt_logprobs is None or not first_output:
+        return None
+    scores = tracked.prompt_logprobs
+    return [None, *(scores[i] for i in range(1, len(request.prompt_token_ids)))]
 
 
 def _eos_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

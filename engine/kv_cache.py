@@ -103,9 +103,10 @@ class KVCacheManager:
         """The longest run of full blocks of this request already in the cache.
 
         At least one token is always left to compute, because the step that
-        computes it is the one that produces the next token's logits.
+        computes it is the one that produces the next token's logits. A request
+        that wants its prompt's logprobs computes it all.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._extend_hashes(request, max_blocks)

@@ -25,6 +25,9 @@ class RunnerOutput:
     """Accepted drafts then one sampled token; the scheduler cuts at a stop."""
     logprobs: dict[Request, list[TokenLogprob]] = field(default_factory=dict)
     """Of each sampled token, only for requests that asked."""
+    prompt_logprobs: dict[Request, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    """For requests that asked: the index of the first prompt token this step scored, and
+    the scores of it and the following ones (each under the tokens before it)."""
     failed: dict[Request, str] = field(default_factory=dict)
     """Requests whose own sampling raised, with the error: they end, the batch goes on."""
 
@@ -43,6 +46,9 @@ class RequestOutput:
     """What went wrong, when finish_reason is `error` (the request alone failed)."""
     new_logprobs: list[TokenLogprob] | None = None
     """One per new token, when the request asked for logprobs."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """One per prompt token (None for the first, which nothing predicts), in the request's
+    first output, when it asked for them."""
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0

@@ -50,20 +50,19 @@ def sample(
         for i, row in enumerate(rows)
     ]
     logprobs = [
-        None if row.params.logprobs is None else token_logprobs(logits[i : i + 1], [token], row)[0]
+        None
+        if row.params.logprobs is None
+        else token_logprobs(logits[i : i + 1], [token], row.params.logprobs)[0]
         for i, (row, token) in enumerate(zip(rows, token_ids, strict=True))
     ]
     return token_ids, logprobs
 
 
-def token_logprobs(
-    logits: torch.Tensor, token_ids: list[int], row: SampleRow
-) -> list[TokenLogprob]:
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
     """Of token_ids[i] under row i of `logits` [N, V] (the raw model's distribution), with
-    the likeliest `row.params.logprobs` alternatives at each position."""
+    the likeliest `num_top` alternatives at each position."""
     logprobs = torch.log_softmax(logits, dim=-1)
     chosen = logprobs[torch.arange(len(token_ids)), torch.tensor(token_ids, dtype=torch.long)]
-    num_top = row.params.logprobs or 0
     top_values, top_ids = logprobs.topk(num_top, dim=-1)
     return [
         TokenLogprob(logprob, tuple(zip(ids, values, strict=True)))
@@ -171,4 +170,4 @@ def verify(
             break
     if row.params.logprobs is None:
         return tokens, []
-    return tokens, token_logprobs(logits[: len(tokens)], tokens, row)
+    return tokens, token_logprobs(logits[: len(tokens)], tokens, row.params.logprobs)

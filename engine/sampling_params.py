@@ -36,6 +36,9 @@ class SamplingParams:
     logprobs: int | None = None
     """Return each chosen token's log-probability and those of the `logprobs` likeliest
     tokens at its position (vLLM's convention: 0 is the chosen token alone; None: none)."""
+    prompt_logprobs: int | None = None
+    """The same for every prompt token after the first (an echo with logprobs): the prompt
+    is then computed whole, never read from the prefix cache."""
 
     def __post_init__(self) -> None:
         # Normalise list inputs from JSON so the dataclass stays hashable.
@@ -67,8 +70,10 @@ class SamplingParams:
             )
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

@@ -30,6 +30,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
     num_cached_tokens: int = 0
 
@@ -38,6 +39,7 @@ class Completion:
         self.token_ids += out.new_token_ids
         self.text += out.new_text
         self.logprobs += out.new_logprobs or []
+        self.prompt_logprobs = self.prompt_logprobs or out.prompt_logprobs
         self.finish_reason = out.finish_reason
         self.num_cached_tokens = out.num_cached_tokens
 

@@ -97,3 +97,23 @@ def test_repetition_penalty_matches_transformers(engine, hf_model, tokenizer):
     plain, _ = hf_greedy(hf_model, prompt, 8)
     assert theirs != plain  # the penalty really bites on this prompt
     assert_same_greedy_tokens(ours.token_ids, theirs, their_logits)
+
+
+def test_prompt_logprobs_match_transformers_chunked_and_with_the_prefix_cached(
+    make_engine, hf_model, tokenizer
+):
+    engine = make_engine(**TIGHT, enable_prefix_caching=True)
+    prompt = tokenizer.encode(PROMPTS[-1])
+    assert len(prompt) > 2 * TIGHT["max_num_batched_tokens"]  # scored over several chunks
+    run_requests(engine, {"warm": (prompt, greedy(1))})  # its blocks are now cached
+    params = greedy(1, prompt_logprobs=2)
+    completions = run_requests(engine, {"p": (prompt, params)})
+    ours = completions["p"].prompt_logprobs
+    assert completions["p"].num_cached_tokens == 0  # computed whole, to be scored
+    with torch.inference_mode():
+        theirs = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+    assert ours is not None and len(ours) == len(prompt) and ours[0] is None
+    for i, score in enumerate(ours[1:], start=1):  # token i under the tokens before it
+        assert score is not None
+        assert score.logprob == pytest.approx(float(theirs[i - 1, prompt[i]]), abs=1e-3)
+        assert [t for t, _ in score.top] == theirs[i - 1].topk(2).indices.tolist()

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -24,7 +25,7 @@ from engine.model.llama import LayerKV, LlamaForCausalLM
 from engine.model.packed_linear import can_pack, pack_linears
 from engine.outputs import RunnerOutput, TokenLogprob
 from engine.request import Request
-from engine.sampler import SampleRow, sample, verify
+from engine.sampler import SampleRow, sample, token_logprobs, verify
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import Proposal
 
@@ -42,6 +43,18 @@ class StepBatch:
     """Requests that produce tokens this step, in order."""
     num_logits_rows: list[int]
     """Logits rows of each sampling request: 1, plus one per draft token it verifies."""
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
+    """Prompt tokens to score for requests that asked for prompt logprobs."""
+
+
+class PromptSpan(NamedTuple):
+    """Prompt tokens of one request scored this step: the hidden state at packed row
+    `first_row + i` predicts prompt token `first_token + i`."""
+
+    request: Request
+    first_token: int
+    first_row: int
+    num_tokens: int
 
 
 class ModelRunner:
@@ -88,10 +101,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
-        """One forward pass over the scheduled tokens, then sampling and draft verification."""
+        """One forward pass over the scheduled tokens, then sampling, draft verification and
+        any prompt logprobs asked for."""
         batch = self.prepare(scheduled.num_new_tokens)
-        logits = self.compute_logits(batch)
-        return self.sample(batch, logits, scheduled.drafts)
+        hidden = self.model(batch.input_ids, batch.meta, self.kv_caches)
+        out = self.sample(batch, self._logits(hidden[batch.logits_index]), scheduled.drafts)
+        for span in batch.prompt_spans:
+            _guarded(span.request, out, self._score_prompt, span, hidden, out)
+        return out
 
     def prepare(self, num_new_tokens: dict[Request, int]) -> StepBatch:
         """Pack each request's next `num_new_tokens` tokens (drafts included) into one batch."""
@@ -102,8 +119,11 @@ class ModelRunner:
         logits_rows: list[int] = []
         num_rows: list[int] = []
         sampling: list[Request] = []
+        prompt_spans: list[PromptSpan] = []
         for request, num_new in num_new_tokens.items():
             start = request.num_computed_tokens
+            if request.params.prompt_logprobs is not None:
+                prompt_spans += _prompt_span(request, start, num_new, len(input_ids))
             input_ids.extend(_tokens_with_spec(request, start, start + num_new))
             q_lens.append(num_new)
             kv_lens.append(start + num_new)
@@ -124,6 +144,7 @@ class ModelRunner:
             logits_index=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
             sampling_requests=sampling,
             num_logits_rows=num_rows,
+            prompt_spans=prompt_spans,
         )
 
     @torch.inference_mode()
@@ -131,7 +152,20 @@ class ModelRunner:
         """fp32 logits [sum(num_logits_rows), vocab], on the CPU where the sampler draws
         (a no-op copy on a CPU device)."""
         hidden = self.model(batch.input_ids, batch.meta, self.kv_caches)
-        return self.model.compute_logits(hidden[batch.logits_index]).cpu()
+        return self._logits(hidden[batch.logits_index])
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden).cpu()
+
+    def _score_prompt(self, span: PromptSpan, hidden: torch.Tensor, out: RunnerOutput) -> None:
+        request = span.request
+        rows = hidden[span.first_row : span.first_row + span.num_tokens]
+        targets = request.token_ids[span.first_token : span.first_token + span.num_tokens]
+        num_top = request.params.prompt_logprobs or 0
+        out.prompt_logprobs[request] = (
+            span.first_token,
+            token_logprobs(self._logits(rows), targets, num_top),
+        )
 
     def sample(
         self, batch: StepBatch, logits: torch.Tensor, drafts: dict[Request, Proposal]
@@ -211,6 +245,13 @@ def _guarded(request: Request, out: RunnerOutput, work: Callable[..., None], *ar
         log.exception("sampling failed for request %s", request.request_id)
         out.failed[request] = f"sampling failed: {exc!r}"
         out.sampled_token_ids.pop(request, None)
+
+
+def _prompt_span(request: Request, start: int, num_new: int, first_row: int) -> list[PromptSpan]:
+    """The prompt tokens after `start` that this chunk's positions predict (a position
+    predicts the next token; the last prompt token predicts the first output instead)."""
+    end = min(start + num_new, len(request.prompt_token_ids) - 1)
+    return [PromptSpan(request, start + 1, first_row, end - start)] if end > start else []
 
 
 def _tokens_with_spec(request: Request, start: int, end: int) -> list[int]:
