@@ -46,6 +46,7 @@ from deployments.limits import check_limits
 from deployments.openai_api import (
     ChatEndpoint,
     CompletionEndpoint,
+    Echo,
     Endpoint,
     parse_body,
     sampling_params,
@@ -277,6 +278,10 @@ class Ingress:
                 body.model,
                 self._tokenizer,
                 with_logprobs=body.num_logprobs is not None,
+                echo=tuple(
+                    Echo(text, tuple(ids))
+                    for text, ids in zip(body.echoed_prompts, prompts, strict=False)
+                ),
             ),
             body=body,
             prompts=prompts,

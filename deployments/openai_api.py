@@ -7,8 +7,9 @@ Chat and text completions differ only here; the ingress treats both alike.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from jinja2 import TemplateError
 from pydantic import BaseModel, ValidationError
@@ -18,7 +19,7 @@ from deployments.errors import bad_request
 from deployments.logprobs import chat_logprobs, completion_logprobs
 from deployments.streaming import ChoiceProgress, usage
 from engine.model.chat import chat_prompt_ids
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -46,9 +47,17 @@ def sampling_params(body: s.SamplingFields, max_tokens: int) -> SamplingParams:
             stop=tuple(body.stop),
             ignore_eos=body.ignore_eos,
             logprobs=body.num_logprobs,
+            prompt_logprobs=body.num_logprobs if body.echoed_prompts else None,
         )
     except ValueError as error:
         raise bad_request(str(error)) from None
+
+
+class Echo(NamedTuple):
+    """A prompt as the client sent it and as it was tokenized."""
+
+    text: str
+    token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,8 @@ class Endpoint(ABC):
     tokenizer: Any
     """Names the tokens of logprobs."""
     with_logprobs: bool = False
+    echo: tuple[Echo, ...] = ()
+    """The prompts to repeat before their completions, by prompt index (none: no echo)."""
 
     @staticmethod
     @abstractmethod
@@ -171,23 +182,13 @@ class CompletionEndpoint(Endpoint):
         return [tokenizer.encode(prompt) for prompt in body.prompt]
 
     def delta(self, index: int, output: RequestOutput, choice: ChoiceProgress) -> BaseModel:
-        """A `text_completion` chunk with the choice's new text."""
-        logprobs = None
-        if self.with_logprobs:
-            offset = len(choice.text) - len(output.new_text)
-            logprobs = completion_logprobs(
-                self.tokenizer, output.new_token_ids, output.new_logprobs or [], offset
-            )
-        return self._body(
-            [
-                s.CompletionChoice(
-                    index=index,
-                    text=output.new_text,
-                    logprobs=logprobs,
-                    finish_reason=_finish_reason(output),
-                )
-            ]
-        )
+        """A `text_completion` chunk with the choice's new text; an echoed prompt comes in
+        the choice's first chunk."""
+        first = len(choice.text_parts) == 1
+        echo = self._echo(choice) if first else None
+        offset = 0 if first else self._echo_length(choice) + len(choice.text) - len(output.new_text)
+        generated = (output.new_text, output.new_token_ids, output.new_logprobs or [])
+        return self._body([self._choice(index, echo, generated, offset, _finish_reason(output))])
 
     def usage_chunk(self, usage: s.Usage) -> BaseModel:
         """A chunk with no choices and the usage."""
@@ -197,20 +198,47 @@ class CompletionEndpoint(Endpoint):
         """A `text_completion` with every choice and the usage."""
         return self._body(
             [
-                s.CompletionChoice(
-                    index=i,
-                    text=c.text,
-                    logprobs=(
-                        completion_logprobs(self.tokenizer, c.token_ids, c.logprobs, 0)
-                        if self.with_logprobs
-                        else None
-                    ),
-                    finish_reason=c.finish_reason,
+                self._choice(
+                    i, self._echo(c), (c.text, c.token_ids, c.logprobs), 0, c.finish_reason
                 )
                 for i, c in enumerate(choices)
             ],
             usage(choices),
         )
+
+    def _choice(
+        self,
+        index: int,
+        echo: _Scored | None,
+        generated: _Scored,
+        text_offset: int,
+        finish_reason: str | None,
+    ) -> s.CompletionChoice:
+        """A choice of the generated part, after the echoed prompt when there is one."""
+        text, token_ids, logprobs = generated
+        if echo is not None:
+            text = echo[0] + text
+            token_ids = [*echo[1], *token_ids]
+            logprobs = [*echo[2], *logprobs]
+        rendered = (
+            completion_logprobs(self.tokenizer, token_ids, logprobs, text_offset)
+            if self.with_logprobs
+            else None
+        )
+        return s.CompletionChoice(
+            index=index, text=text, logprobs=rendered, finish_reason=finish_reason
+        )
+
+    def _echo(self, choice: ChoiceProgress) -> _Scored | None:
+        """The choice's prompt with its tokens' scores, when echoing."""
+        if not self.echo:
+            return None
+        prompt = self.echo[choice.prompt_index]
+        scores = choice.prompt_logprobs or [None] * len(prompt.token_ids)
+        return prompt.text, list(prompt.token_ids), scores
+
+    def _echo_length(self, choice: ChoiceProgress) -> int:
+        return len(self.echo[choice.prompt_index].text) if self.echo else 0
 
     def _body(self, choices: list[s.CompletionChoice], usage: s.Usage | None = None) -> BaseModel:
         return s.CompletionResponse(
@@ -220,6 +248,10 @@ class CompletionEndpoint(Endpoint):
             choices=choices,
             usage=usage,
         )
+
+
+_Scored = tuple[str, Sequence[int], Sequence[TokenLogprob | None]]
+"""Text, its token ids and their scores (None where a token has none)."""
 
 
 def _finish_reason(output: RequestOutput) -> str | None:

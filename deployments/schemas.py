@@ -85,6 +85,11 @@ class SamplingFields(_Request):
         return None
 
     @property
+    def echoed_prompts(self) -> list[str]:
+        """Prompts to repeat before their completions (`echo`); none by default."""
+        return []
+
+    @property
     def include_usage_chunk(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
@@ -145,11 +150,19 @@ class CompletionRequest(SamplingFields):
     """OpenAI's default for text completions."""
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     """Alternatives per token whose log-probabilities come back (0: the chosen token's)."""
+    echo: bool = False
+    """Repeat the prompt before the completion, with its tokens' logprobs when asked: what
+    evaluation harnesses score log-likelihoods with."""
 
     @property
     def num_logprobs(self) -> int | None:
         """The `logprobs` count."""
         return self.logprobs
+
+    @property
+    def echoed_prompts(self) -> list[str]:
+        """Every prompt, with `echo`."""
+        return self.prompt if self.echo else []
 
 
 class Usage(BaseModel):

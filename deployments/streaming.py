@@ -25,6 +25,8 @@ class ChoiceProgress:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """One per token, when the request asked for logprobs."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """One per prompt token, when the request asked for them (an echo with logprobs)."""
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     first_token_s: float | None = None
@@ -46,6 +48,7 @@ class ChoiceProgress:
         self.text_parts.append(output.new_text)
         self.token_ids += output.new_token_ids
         self.logprobs += output.new_logprobs or []
+        self.prompt_logprobs = self.prompt_logprobs or output.prompt_logprobs
         self.num_prompt_tokens = output.num_prompt_tokens or self.num_prompt_tokens
         self.num_output_tokens += num_new
         if self.queue_time_s is None:

@@ -238,3 +238,26 @@ def test_logprobs_out_of_range_or_without_the_switch_are_400(base_url: str) -> N
         response = httpx.post(f"{base_url}/v1/{path}", json={"model": MODEL, **body}, timeout=30)
         assert response.status_code == 400, body
         assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(
+    client: openai.OpenAI, tokenizer, stream: bool
+) -> None:
+    """lm-evaluation-harness's log-likelihood request: echo, logprobs=1, one new token."""
+    prompt = "The capital of France is Paris"
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True,
+        stream=stream, extra_headers={"X-SLA-Tier": "batch"},
+    )  # fmt: skip
+    choices = [c for chunk in response for c in chunk.choices] if stream else response.choices
+    text = "".join(c.text for c in choices)
+    tokens = [t for c in choices for t in c.logprobs.tokens]
+    scores = [lp for c in choices for lp in c.logprobs.token_logprobs]
+    num_prompt = len(tokenizer.encode(prompt))
+    assert text.startswith(prompt) and len(tokens) == len(scores) == num_prompt + 1
+    assert "".join(tokens) == text
+    assert scores[0] is None  # nothing predicts the first token
+    assert all(score is not None and score <= 0 for score in scores[1:])
+    offsets = [o for c in choices for o in c.logprobs.text_offset]
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
