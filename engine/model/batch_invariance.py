@@ -9,10 +9,12 @@ step holds. Two things made it depend on them on the CPU:
   than for many: on this project's machines rows 1-3, 5-7 and 9-11 of a
   matmul differed in the last bits from the same rows in a larger one. In
   MKL's strict reproducibility mode (`MKL_CBWR=AUTO,STRICT`, read at its first
-  call) only 1-3 rows differ, so a step with fewer rows is padded up to the
-  first row count whose results agree with every larger one. That count is
-  probed at start-up, per weight shape, so another BLAS or CPU is measured,
-  not assumed.
+  call) only 1-3 rows differ. oneDNN's packed layers (engine.model.packed_linear,
+  the dense layers on a CPU) differ at no row count. Each layer is probed at
+  start-up, so another BLAS or CPU is measured, not assumed; a layer whose
+  few-row results differ (MKL's, under quantized weights) computes at least
+  the first row count that agrees with every larger one, padding a short
+  step with zero rows.
 - Attention. torch's SDPA blocks its softmax by the query and key lengths;
   the paged-attention kernel computes every query alone, in one fixed order
   over the cache. In invariant mode every query goes through it.
@@ -77,7 +79,8 @@ def make_batch_invariant(model: nn.Module, dtype: torch.dtype) -> bool:
         if min_rows is None:
             log.warning("no batch-invariant row count for %s: outputs may vary", name)
             return False
-        model.set_submodule(name, RowPadded(linear, min_rows))
+        if min_rows > 1:  # oneDNN's packed layers need none
+            model.set_submodule(name, RowPadded(linear, min_rows))
     return True
 
 
