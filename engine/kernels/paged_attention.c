@@ -1,4 +1,6 @@
-/* Attention of short queries (decodes, draft verification) over a paged KV cache, on the CPU.
+/* Attention of queries over a paged KV cache, on the CPU: decodes, draft verification, and
+ * (for batch invariance) prefill chunks: each query is computed alone, in one fixed order
+ * over the cache, so its result is the same whatever other queries share the call.
  *
  * Reads each sequence's K/V blocks where they lie in the cache: the torch path
  * first gathers every context into a padded copy, and at 64 decoding sequences
