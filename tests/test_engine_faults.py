@@ -42,16 +42,16 @@ def test_a_request_whose_sampling_raises_fails_alone(engine, monkeypatch):
 
 
 def test_a_failing_forward_pass_fails_its_step_and_the_engine_goes_on(engine, monkeypatch):
-    compute_logits = engine.runner.compute_logits
+    forward = engine.runner.forward
     calls = {"n": 0}
 
     def fail_second_step(batch):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("kernel fault")
-        return compute_logits(batch)
+        return forward(batch)
 
-    monkeypatch.setattr(engine.runner, "compute_logits", fail_second_step)
+    monkeypatch.setattr(engine.runner, "forward", fail_second_step)
     engine.add_request("early", PROMPT, greedy(8, ignore_eos=True))
     first = engine.step()
     assert [o.new_token_ids != [] for o in first] == [True]
@@ -66,7 +66,7 @@ def test_a_failing_forward_pass_fails_its_step_and_the_engine_goes_on(engine, mo
 
 def test_async_engine_raises_for_the_failed_request_and_serves_the_next(monkeypatch):
     engine = AsyncLLMEngine(EngineConfig(**TEST_ENGINE_CONFIG))
-    original = engine.engine.runner.compute_logits
+    original = engine.engine.runner.forward
     fail_once = {"armed": True}
 
     def flaky(batch):
@@ -74,7 +74,7 @@ def test_async_engine_raises_for_the_failed_request_and_serves_the_next(monkeypa
             raise RuntimeError("transient")
         return original(batch)
 
-    monkeypatch.setattr(engine.engine.runner, "compute_logits", flaky)
+    monkeypatch.setattr(engine.engine.runner, "forward", flaky)
 
     async def run(request_id: str) -> list[int]:
         tokens: list[int] = []
@@ -91,14 +91,14 @@ def test_async_engine_raises_for_the_failed_request_and_serves_the_next(monkeypa
 
 def test_a_wedged_step_makes_the_engine_unhealthy_until_it_returns(monkeypatch):
     engine = AsyncLLMEngine(EngineConfig(**TEST_ENGINE_CONFIG, stall_timeout_s=0.3))
-    original = engine.engine.runner.compute_logits
+    original = engine.engine.runner.forward
     release = threading.Event()
 
     def wedge(batch):
         release.wait(timeout=30)
         return original(batch)
 
-    monkeypatch.setattr(engine.engine.runner, "compute_logits", wedge)
+    monkeypatch.setattr(engine.engine.runner, "forward", wedge)
 
     async def scenario() -> bool:
         stream = engine.generate(PROMPT, greedy(2, ignore_eos=True), "wedged")

@@ -104,7 +104,7 @@ class ModelRunner:
         """One forward pass over the scheduled tokens, then sampling, draft verification and
         any prompt logprobs asked for."""
         batch = self.prepare(scheduled.num_new_tokens)
-        hidden = self.model(batch.input_ids, batch.meta, self.kv_caches)
+        hidden = self.forward(batch)
         out = self.sample(batch, self._logits(hidden[batch.logits_index]), scheduled.drafts)
         for span in batch.prompt_spans:
             _guarded(span.request, out, self._score_prompt, span, hidden, out)
@@ -151,8 +151,12 @@ class ModelRunner:
     def compute_logits(self, batch: StepBatch) -> torch.Tensor:
         """fp32 logits [sum(num_logits_rows), vocab], on the CPU where the sampler draws
         (a no-op copy on a CPU device)."""
-        hidden = self.model(batch.input_ids, batch.meta, self.kv_caches)
-        return self._logits(hidden[batch.logits_index])
+        return self._logits(self.forward(batch)[batch.logits_index])
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """Hidden states [T, hidden] of the batch's tokens, their K/V written to the cache."""
+        return self.model(batch.input_ids, batch.meta, self.kv_caches)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden).cpu()
