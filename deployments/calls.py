@@ -24,11 +24,15 @@ async def within(call: DeploymentResponse, timeout_s: float) -> Any:
 
 
 async def first_answer(calls: list[DeploymentResponse]) -> Any:
-    """The result of whichever call answers first; the others are cancelled."""
+    """The result of whichever call answers first; the others are cancelled (and their
+    endings collected, so no cancelled call is reported as an unretrieved error)."""
     waiting = [asyncio.ensure_future(_result(call)) for call in calls]
-    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    done, pending = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
     for call in calls:
         call.cancel()
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
     return next(iter(done)).result()
 
 
