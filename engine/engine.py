@@ -185,10 +185,7 @@ class LLMEngine:
         if not scheduled.num_new_tokens:
             return []
         result = self._execute(scheduled)
-        for request, (first, scores) in result.prompt_logprobs.items():
-            self.requests[request.request_id].prompt_logprobs.update(enumerate(scores, first))
-        if self.speculator is not None:
-            self.speculator.record(scheduled.drafts, result)
+        self._record(scheduled, result)
         kept = self.scheduler.update(scheduled, result)
         outputs = [self._emit(request, token_ids, result) for request, token_ids in kept.items()]
         self._count_generated(sum(len(o.new_token_ids) for o in outputs))
@@ -207,6 +204,14 @@ class LLMEngine:
         seconds = time.perf_counter() - start_s
         self.step_cost.observe(len(scheduled.num_new_tokens), scheduled.total_tokens, seconds)
         return result
+
+    def _record(self, scheduled: SchedulerOutput, result: RunnerOutput) -> None:
+        """What the step leaves outside the scheduler: the speculator's counts, and the
+        prompt scores of requests that asked for them (kept until their first output)."""
+        if self.speculator is not None:
+            self.speculator.record(scheduled.drafts, result)
+        for request, (first, scores) in result.prompt_logprobs.items():
+            self.requests[request.request_id].prompt_logprobs.update(enumerate(scores, first))
 
     def _propose(self) -> dict[Request, Proposal]:
         """Drafts for this step; a failing proposer costs the speedup, never the requests."""

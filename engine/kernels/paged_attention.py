@@ -1,4 +1,5 @@
-"""The CPU paged-attention kernel for short queries (paged_attention.c), built on first use.
+"""The CPU paged-attention kernel (paged_attention.c), built on first use: short queries
+always, prefill chunks too under batch invariance.
 
 The C file is compiled once with the system C compiler into the cache
 directory (well under a second) and called through ctypes: no build step at
