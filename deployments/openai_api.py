@@ -187,7 +187,7 @@ class CompletionEndpoint(Endpoint):
         first = len(choice.text_parts) == 1
         echo = self._echo(choice) if first else None
         offset = 0 if first else self._echo_length(choice) + len(choice.text) - len(output.new_text)
-        generated = (output.new_text, output.new_token_ids, output.new_logprobs or [])
+        generated = _Scored(output.new_text, output.new_token_ids, output.new_logprobs or [])
         return self._body([self._choice(index, echo, generated, offset, _finish_reason(output))])
 
     def usage_chunk(self, usage: s.Usage) -> BaseModel:
@@ -199,7 +199,7 @@ class CompletionEndpoint(Endpoint):
         return self._body(
             [
                 self._choice(
-                    i, self._echo(c), (c.text, c.token_ids, c.logprobs), 0, c.finish_reason
+                    i, self._echo(c), _Scored(c.text, c.token_ids, c.logprobs), 0, c.finish_reason
                 )
                 for i, c in enumerate(choices)
             ],
@@ -215,18 +215,14 @@ class CompletionEndpoint(Endpoint):
         finish_reason: str | None,
     ) -> s.CompletionChoice:
         """A choice of the generated part, after the echoed prompt when there is one."""
-        text, token_ids, logprobs = generated
-        if echo is not None:
-            text = echo[0] + text
-            token_ids = [*echo[1], *token_ids]
-            logprobs = [*echo[2], *logprobs]
+        part = generated if echo is None else echo + generated
         rendered = (
-            completion_logprobs(self.tokenizer, token_ids, logprobs, text_offset)
+            completion_logprobs(self.tokenizer, part.token_ids, part.logprobs, text_offset)
             if self.with_logprobs
             else None
         )
         return s.CompletionChoice(
-            index=index, text=text, logprobs=rendered, finish_reason=finish_reason
+            index=index, text=part.text, logprobs=rendered, finish_reason=finish_reason
         )
 
     def _echo(self, choice: ChoiceProgress) -> _Scored | None:
@@ -235,7 +231,7 @@ class CompletionEndpoint(Endpoint):
             return None
         prompt = self.echo[choice.prompt_index]
         scores = choice.prompt_logprobs or [None] * len(prompt.token_ids)
-        return prompt.text, list(prompt.token_ids), scores
+        return _Scored(prompt.text, prompt.token_ids, scores)
 
     def _echo_length(self, choice: ChoiceProgress) -> int:
         return len(self.echo[choice.prompt_index].text) if self.echo else 0
@@ -250,8 +246,21 @@ class CompletionEndpoint(Endpoint):
         )
 
 
-_Scored = tuple[str, Sequence[int], Sequence[TokenLogprob | None]]
-"""Text, its token ids and their scores (None where a token has none)."""
+class _Scored(NamedTuple):
+    """Text, its token ids and their scores (None where a token has none)."""
+
+    text: str
+    token_ids: Sequence[int]
+    logprobs: Sequence[TokenLogprob | None]
+
+    def __add__(self, other: object) -> _Scored:  # type: ignore[override]
+        """This part followed by `other` (an echoed prompt, then its completion)."""
+        assert isinstance(other, _Scored)
+        return _Scored(
+            self.text + other.text,
+            [*self.token_ids, *other.token_ids],
+            [*self.logprobs, *other.logprobs],
+        )
 
 
 def _finish_reason(output: RequestOutput) -> str | None:

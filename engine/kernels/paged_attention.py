@@ -80,8 +80,11 @@ def paged_attention(
         )  # fmt: skip
 
     ranges = _query_ranges(visible, torch.get_num_threads())
-    statuses = _executor(len(ranges)).map(lambda bounds: run(*bounds), ranges)
-    if any(list(statuses)):
+    if len(ranges) == 1:  # on the calling thread: a hand-off would cost more than it saves
+        statuses = [run(*ranges[0])]
+    else:
+        statuses = list(_executor(len(ranges)).map(lambda bounds: run(*bounds), ranges))
+    if any(statuses):
         raise ValueError(f"paged attention: head_dim {head_dim} or GQA group too large")
     return out
 

@@ -116,8 +116,7 @@ class AttentionMetadata:
             torch.tensor(s.block_table)[pos // block_size] * block_size + pos % block_size
             for s, pos in zip(seqs, positions, strict=True)
         ]
-        on_cpu = torch.device(device).type == "cpu"
-        in_place = native_kernel and on_cpu and kernels.available(dtype)
+        in_place = native_kernel and kernel_serves(device, dtype)
         short_max = math.inf if in_place and all_in_kernel else SHORT_QUERY_MAX
         short = [s for s in seqs if s.q_len <= short_max]
         long = [s for s in seqs if s.q_len > short_max]
@@ -132,6 +131,11 @@ class AttentionMetadata:
             slot_mapping=torch.cat(slots).to(device),
             groups=[g if isinstance(g, KernelGroup) else _to(g, device) for g in groups],
         )
+
+
+def kernel_serves(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether the in-place paged kernel can attend on this device in this dtype."""
+    return torch.device(device).type == "cpu" and kernels.available(dtype)
 
 
 class _Seq(NamedTuple):

@@ -74,7 +74,7 @@ def make_batch_invariant(model: nn.Module, dtype: torch.dtype) -> bool:
     for name, linear in linears:
         key = (type(linear), linear.in_features, linear.out_features)
         if key not in probed:
-            probed[key] = min_invariant_rows(linear, linear.in_features, dtype)
+            probed[key] = min_invariant_rows(linear, dtype)
         min_rows = probed[key]
         if min_rows is None:
             log.warning("no batch-invariant row count for %s: outputs may vary", name)
@@ -85,10 +85,11 @@ def make_batch_invariant(model: nn.Module, dtype: torch.dtype) -> bool:
 
 
 @torch.inference_mode()
-def min_invariant_rows(linear: nn.Module, in_features: int, dtype: torch.dtype) -> int | None:
+def min_invariant_rows(linear: nn.Module, dtype: torch.dtype) -> int | None:
     """The smallest row count from which `linear`'s rows agree bit for bit with the
     same rows computed among PROBE_MAX_ROWS; None when no choice does."""
     generator = torch.Generator().manual_seed(0)
+    in_features = int(linear.in_features)  # type: ignore[arg-type]  # every linear names it
     x = torch.randn(PROBE_MAX_ROWS, in_features, generator=generator).to(dtype)
     reference = linear(x)
     for min_rows in PADDED_ROW_CHOICES:

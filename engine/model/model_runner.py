@@ -18,8 +18,7 @@ from typing import NamedTuple
 import torch
 
 from engine.config import EngineConfig
-from engine.kernels import paged_attention as kernels
-from engine.model.attention import AttentionMetadata
+from engine.model.attention import AttentionMetadata, kernel_serves
 from engine.model.batch_invariance import make_batch_invariant
 from engine.model.llama import LayerKV, LlamaForCausalLM
 from engine.model.packed_linear import can_pack, pack_linears
@@ -77,7 +76,7 @@ class ModelRunner:
 
     def _make_batch_invariant(self) -> bool:
         """Matmuls padded to invariant row counts, every query through the paged kernel."""
-        if not (self.native_attention and kernels.available(self.dtype)):
+        if not (self.native_attention and kernel_serves(self.device, self.dtype)):
             log.warning("batch invariance needs the paged-attention kernel: not available")
             return False
         return make_batch_invariant(self.model, self.dtype)
