@@ -12,6 +12,7 @@ from ray.serve import Application
 
 from app.config import TierserveConfig
 from deployments.autoscaling import autoscaling_config
+from deployments.batch_runner import BatchRunner
 from deployments.config import PoolConfig
 from deployments.ingress import Ingress
 from deployments.pool import EngineFactory, Pool
@@ -19,6 +20,7 @@ from deployments.request_router import request_router_config
 
 INGRESS_MAX_ONGOING_REQUESTS = 1024
 CONTROL_SLOTS = 4
+INGRESS_NAME = "Ingress"
 
 
 def build_app(config: TierserveConfig, engine_cls: EngineFactory | None = None) -> Application:
@@ -36,6 +38,7 @@ def build_app(config: TierserveConfig, engine_cls: EngineFactory | None = None) 
         for p in config.pools
     }
     ingress = Ingress.options(  # type: ignore[attr-defined]
+        name=INGRESS_NAME,
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         # The ingress only awaits I/O; the gateway, not Serve's queue, bounds the load.
         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
@@ -43,7 +46,15 @@ def build_app(config: TierserveConfig, engine_cls: EngineFactory | None = None) 
         logging_config={"log_level": config.log_level},
         **shutdown,
     )
-    return ingress.bind(config, pools)
+    runner = None
+    if config.batch_jobs.enabled:
+        # The runner sends its lines back through the ingress, found by this name.
+        # Like the ingress it only awaits I/O: no CPU of its own to reserve.
+        runner = BatchRunner.options(  # type: ignore[attr-defined]
+            ray_actor_options={"num_cpus": 0, "resources": dict(config.batch_jobs.resources)},
+            **shutdown,
+        ).bind(config.batch_jobs, config.limits.max_json_depth, INGRESS_NAME)
+    return ingress.bind(config, pools, runner)
 
 
 def app_builder(args: dict[str, Any]) -> Application:

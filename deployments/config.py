@@ -209,6 +209,28 @@ class RequestLimits(_Strict):
     """Length of each stop string."""
 
 
+class BatchJobsConfig(_Strict):
+    """The Files and Batches APIs and the runner that feeds their lines to a pool."""
+
+    enabled: bool = True
+    data_dir: str = "~/.cache/tierserve/batches"
+    """Where files and job state live (SQLite): a persistent volume on KubeRay, so a
+    restarted runner resumes its jobs."""
+    tier: str = "batch"
+    """The tier every line runs at: its pool, its priority, its deadline."""
+    max_in_flight: int = Field(default=96, ge=1)
+    """Lines in flight at once: enough to keep the pool's batch full and its queue fed."""
+    max_file_bytes: int = Field(default=100 * 1024 * 1024, ge=1024)
+    """Uploads over this are refused (413)."""
+    max_lines: int = Field(default=50_000, ge=1)
+    """Lines in one batch's input file (OpenAI's limit)."""
+    retry_delay_s: float = Field(default=1.0, gt=0)
+    """How long a line refused for load (429, 503) waits before it is sent again."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources the runner's replica needs: on a cluster, one only the node
+    holding data_dir's volume offers, so a restarted runner finds its store."""
+
+
 class IngressConfig(_Strict):
     """What the ingress routes by: the public model, tiers, pools and the gateway."""
 
@@ -225,6 +247,7 @@ class IngressConfig(_Strict):
     """How often the ingress reads each pool's engine stats."""
     log_prompts: bool = False
     """Include prompt text in the per-request log line."""
+    batch_jobs: BatchJobsConfig = BatchJobsConfig()
 
     @model_validator(mode="after")
     def _check_references(self) -> IngressConfig:
@@ -247,6 +270,8 @@ class IngressConfig(_Strict):
             unknown = sorted(set(key.allowed_tiers or ()) - tiers)
             if unknown:
                 raise ValueError(f"API key {key.name!r} allows unknown tiers {unknown}")
+        if self.batch_jobs.tier not in tiers:
+            raise ValueError(f"batch_jobs.tier {self.batch_jobs.tier!r} is not a tier")
         for tier in self.tiers:
             if tier.deadline_s is not None and tier.deadline_s > self.request_timeout_s:
                 raise ValueError(

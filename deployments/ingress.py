@@ -15,7 +15,7 @@ import math
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, cast
@@ -29,6 +29,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments import schemas
+from deployments.batch_api import BatchApi
+from deployments.batch_lines import ENDPOINTS
 from deployments.calls import first_answer
 from deployments.config import CallerPolicy, IngressConfig
 from deployments.errors import (
@@ -54,6 +56,7 @@ from deployments.openai_api import (
 from deployments.pool import PoolRequest
 from deployments.pool_monitor import PoolMonitor, TrackedSequence
 from deployments.request_body import decode_json_object, read_body
+from deployments.routes import Call, Route, RouteTable
 from deployments.streaming import ChoiceProgress, merge_streams, usage
 from deployments.telemetry import RequestRecord, Telemetry
 from engine.outputs import RequestOutput
@@ -63,26 +66,9 @@ from policies.tiers import Tier, resolve_tier
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Call:
-    """One HTTP call as a handler sees it: its id, arrival time and authenticated caller."""
-
-    request_id: str
-    start_s: float
-    """Monotonic time (the event loop's clock) the call reached the ingress."""
-    caller: CallerPolicy
-
-
-Handler = Callable[[Request, Call], Awaitable[Response]]
-
-
-@dataclass(frozen=True)
-class Route:
-    """A handler and whether it answers without a key (only /health does)."""
-
-    handler: Handler
-    public: bool = False
+BATCH_RUNNER = CallerPolicy(name="batch-runner")
+"""The caller batch lines run as: the batch's creator was checked for the tier when it
+was created, and the runner's in-flight bound, not a rate limit, paces its lines."""
 
 
 @dataclass
@@ -141,7 +127,10 @@ class Ingress:
 
     # Serve awaits an async constructor: the pools' tokenizer is fetched before traffic.
     async def __init__(  # type: ignore[misc]
-        self, config: IngressConfig, pools: dict[str, DeploymentHandle]
+        self,
+        config: IngressConfig,
+        pools: dict[str, DeploymentHandle],
+        batch_runner: DeploymentHandle | None = None,
     ) -> None:
         self._config = config
         self._pools = pools
@@ -155,7 +144,7 @@ class Ingress:
         self._telemetry = Telemetry(config.model_name, pool_configs, self._monitor)
         await self._monitor.poll_once()
         self._poller = asyncio.create_task(self._monitor.poll_forever())
-        self._routes: dict[tuple[str, str], Route] = {
+        routes: dict[tuple[str, str], Route] = {
             ("POST", "/v1/chat/completions"): Route(partial(self._complete, endpoint=ChatEndpoint)),
             ("POST", "/v1/completions"): Route(
                 partial(self._complete, endpoint=CompletionEndpoint)
@@ -164,6 +153,12 @@ class Ingress:
             ("GET", "/health"): Route(self._health, public=True),
             ("GET", "/metrics"): Route(self._metrics),
         }
+        if batch_runner is not None:
+            batches = BatchApi(
+                batch_runner, config.batch_jobs, self._gateway, config.limits.max_json_depth
+            )
+            routes.update(batches.routes())
+        self._routes = RouteTable(routes)
 
     async def __call__(self, request: Request) -> Response:
         """Answer one HTTP call; whatever happens, the answer is OpenAI-format JSON or SSE
@@ -181,9 +176,7 @@ class Ingress:
 
     async def _dispatch(self, request: Request, request_id: str) -> Response:
         start_s = time.monotonic()
-        route = self._routes.get((request.method, request.url.path))
-        if route is None:
-            raise ApiError(404, f"No route {request.method} {request.url.path}", code="not_found")
+        route = self._routes.find(request)
         caller = (
             self._config.gateway.anonymous
             if route.public
@@ -211,28 +204,56 @@ class Ingress:
         # Parsing, templating and tokenizing a large body take CPU time: off the event
         # loop, so one big prompt does not stall every other stream.
         document = await asyncio.to_thread(decode_json_object, raw, limits.max_json_depth)
-        body = parse_body(endpoint.schema, document)
-        if body.model != self._config.model_name:
-            message = f"The model {body.model!r} does not exist."
-            raise ApiError(404, message, code="model_not_found", param="model")
-        check_limits(body, limits)
-        tier = self._tier(request, body, call.caller)
-        prompts = await asyncio.to_thread(endpoint.prompt_ids, body, self._tokenizer)
-        job = self._plan(call, body, tier, prompts, endpoint)
-        self._gateway.charge(call.caller, len(job.choices), job.num_reserved_tokens)
+        job = await self._accept(call, document, endpoint, request.headers.get("x-sla-tier"))
         events = self._run(job)
         headers = self._headers(job)
-        if not body.stream:
-            async for _ in events:
-                pass
-            return JSONResponse(
-                job.endpoint.response(job.choices).model_dump(mode="json"), headers=headers
-            )
+        if not job.body.stream:
+            return JSONResponse(await self._collect(job, events), headers=headers)
         # Wait for the first delta so an engine-side rejection is still a 400, not a broken stream.
         first = await anext(events)
         return StreamingResponse(
             self._sse(job, _prepend(first, events)), media_type="text/event-stream", headers=headers
         )
+
+    async def run_batch_line(
+        self, url: str, document: dict[str, Any]
+    ) -> tuple[int, dict[str, Any]]:
+        """One line of a batch job (the batch runner calls this), at the batch jobs' tier:
+        the same checks, placement and limits as over HTTP; answered as (status, JSON body)."""
+        call = Call(uuid.uuid4().hex, time.monotonic(), BATCH_RUNNER)
+        try:
+            document = {**document, "stream": False}
+            job = await self._accept(call, document, ENDPOINTS[url], self._config.batch_jobs.tier)
+            return 200, await self._collect(job, self._run(job))
+        except ApiError as error:
+            refusal = error
+        except Exception:
+            log.exception("batch line %s failed", call.request_id)
+            refusal = internal_error(call.request_id)
+        return refusal.status, schemas.ErrorResponse(error=refusal.detail).model_dump(mode="json")
+
+    async def _accept(
+        self, call: Call, document: dict[str, Any], endpoint: type[Endpoint], tier_name: str | None
+    ) -> Job:
+        """The request's job, charged to its caller; the 4xx that refuses it otherwise."""
+        body = parse_body(endpoint.schema, document)
+        if body.model != self._config.model_name:
+            message = f"The model {body.model!r} does not exist."
+            raise ApiError(404, message, code="model_not_found", param="model")
+        check_limits(body, self._config.limits)
+        tier = self._tier(tier_name, body, call.caller)
+        prompts = await asyncio.to_thread(endpoint.prompt_ids, body, self._tokenizer)
+        job = self._plan(call, body, tier, prompts, endpoint)
+        self._gateway.charge(call.caller, len(job.choices), job.num_reserved_tokens)
+        return job
+
+    async def _collect(
+        self, job: Job, events: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> dict[str, Any]:
+        """A non-streamed answer: every delta gathered, then the whole response."""
+        async for _ in events:
+            pass
+        return job.endpoint.response(job.choices).model_dump(mode="json")
 
     def _plan(
         self,
@@ -279,8 +300,8 @@ class Ingress:
                 self._tokenizer,
                 with_logprobs=body.num_logprobs is not None,
                 echo=tuple(
-                    Echo(text, tuple(ids))
-                    for text, ids in zip(body.echoed_prompts, prompts, strict=False)
+                    Echo(sent if isinstance(sent, str) else self._tokenizer.decode(ids), tuple(ids))
+                    for sent, ids in zip(body.echoed_prompts, prompts, strict=False)
                 ),
             ),
             body=body,
@@ -292,10 +313,9 @@ class Ingress:
             placement=placement,
         )
 
-    def _tier(self, request: Request, body: schemas.SamplingFields, caller: CallerPolicy) -> Tier:
+    def _tier(self, header: str | None, body: schemas.SamplingFields, caller: CallerPolicy) -> Tier:
         """The tier asked for (header, body, key default), if it exists and the key may use it."""
         names = [t.name for t in self._config.tiers]
-        header = request.headers.get("x-sla-tier")
         try:
             name = resolve_tier(
                 header, body.tier, caller.default_tier, self._config.default_tier, names

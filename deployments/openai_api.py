@@ -178,8 +178,18 @@ class CompletionEndpoint(Endpoint):
 
     @staticmethod
     def prompt_ids(body: s.CompletionRequest, tokenizer: Any) -> list[list[int]]:
-        """Each prompt tokenized as is (no template)."""
-        return [tokenizer.encode(prompt) for prompt in body.prompt]
+        """Each text prompt tokenized as is (no template); token-id prompts as sent, if
+        every id is in the tokenizer's vocabulary."""
+        prompts = []
+        for prompt in body.prompt:
+            if isinstance(prompt, str):
+                prompts.append(tokenizer.encode(prompt))
+            elif any(token >= len(tokenizer) for token in prompt):
+                message = f"prompt token ids must be below the vocabulary size {len(tokenizer)}"
+                raise bad_request(message, param="prompt")
+            else:
+                prompts.append(prompt)
+        return prompts
 
     def delta(self, index: int, output: RequestOutput, choice: ChoiceProgress) -> BaseModel:
         """A `text_completion` chunk with the choice's new text; an echoed prompt comes in

@@ -34,7 +34,20 @@ def _as_parts(value: Any) -> Any:
     return [{"type": "text", "text": value}] if isinstance(value, str) else value
 
 
+def _as_prompts(value: Any) -> Any:
+    """A completion prompt is text or token ids; one of either stands for a list of one,
+    as in OpenAI's API."""
+    if isinstance(value, list) and value and all(_is_int(v) for v in value):
+        return [value]
+    return _as_list(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 Finite = Annotated[float, Field(allow_inf_nan=False)]
+TokenIds = list[Annotated[int, Field(ge=0)]]
 StrList = Annotated[list[str], BeforeValidator(_as_list)]
 
 
@@ -85,7 +98,7 @@ class SamplingFields(_Request):
         return None
 
     @property
-    def echoed_prompts(self) -> list[str]:
+    def echoed_prompts(self) -> list[str] | list[TokenIds]:
         """Prompts to repeat before their completions (`echo`); none by default."""
         return []
 
@@ -144,8 +157,11 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     """`POST /v1/completions`: one prompt, or a list of them."""
 
-    prompt: Annotated[list[str], BeforeValidator(_as_list)] = Field(min_length=1)
-    """Each prompt is sampled n times; a single string is a list of one."""
+    prompt: Annotated[list[str] | list[TokenIds], BeforeValidator(_as_prompts)] = Field(
+        min_length=1
+    )
+    """Each prompt, text or token ids (what evaluation harnesses send), is sampled n
+    times; a single one is a list of one."""
     max_tokens: int | None = Field(default=16, ge=1)
     """OpenAI's default for text completions."""
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -160,7 +176,7 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
     @property
-    def echoed_prompts(self) -> list[str]:
+    def echoed_prompts(self) -> list[str] | list[TokenIds]:
         """Every prompt, with `echo`."""
         return self.prompt if self.echo else []
 

@@ -78,3 +78,13 @@ def _wait_healthy(base_url: str) -> None:
             pass
         time.sleep(0.5)
     raise TimeoutError(f"tierserve at {base_url} not healthy after {READY_TIMEOUT_S}s")
+
+
+def kill_replica(deployment: str) -> str:
+    """Kill (for good: Serve must start a new one) a replica actor of `deployment` in the
+    cluster this process is connected to; its actor name."""
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith("SERVE_REPLICA::") and f"#{deployment}#" in actor["name"]:
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+            return str(actor["name"])
+    raise LookupError(f"no replica actor of {deployment!r}")

@@ -30,6 +30,10 @@ class FakeTokenizer:
         """The characters of the ids."""
         return "".join(chr(t) for t in token_ids)
 
+    def __len__(self) -> int:
+        """Every Unicode code point is a token."""
+        return 0x110000
+
     def apply_chat_template(
         self, messages: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool
     ) -> str:

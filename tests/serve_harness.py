@@ -1,6 +1,6 @@
 """Integration-test helpers: the app on a private Ray cluster (with the test fakes importable),
 /metrics read back by name and labels, the ingress's request log read back from the Ray
-session's files, and pool replicas found and killed."""
+session's files."""
 
 from __future__ import annotations
 
@@ -89,12 +89,3 @@ def request_log(request_id: str, timeout_s: float = 10.0) -> dict[str, Any]:
         if time.monotonic() > deadline:
             raise TimeoutError(f"no log line for {request_id} under {logs_dir}")
         time.sleep(0.2)
-
-
-def kill_replica(deployment: str) -> str:
-    """Kill (for good: Serve must start a new one) the replica actor of `deployment`."""
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["name"].startswith("SERVE_REPLICA::") and f"#{deployment}#" in actor["name"]:
-            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
-            return actor["name"]
-    raise LookupError(f"no replica actor of {deployment!r}")

@@ -13,7 +13,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from fakes import SlowFakeEngine
-from serve_harness import fake_config, kill_replica, serving, wait_for_metric
+from serve_harness import fake_config, serving, wait_for_metric
+
+from load.local_cluster import kill_replica
 
 MODEL = "SmolLM2-135M-Instruct"
 BODY = {"model": MODEL, "prompt": "x", "max_tokens": 400}  # 20 s at 50 ms a token

@@ -261,3 +261,22 @@ def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(
     assert all(score is not None and score <= 0 for score in scores[1:])
     offsets = [o for c in choices for o in c.logprobs.text_offset]
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+def test_token_id_prompts_answer_as_their_text_does(
+    client: openai.OpenAI, base_url: str, tokenizer
+) -> None:
+    """lm-eval's local-completions sends prompts as token ids (a batch of them at once)."""
+    texts = ["The capital of France is", "One, two, three,"]
+    ids = [tokenizer.encode(text) for text in texts]
+    asked = dict(model=MODEL, max_tokens=4, temperature=0, logprobs=1, echo=True)
+    by_text = client.completions.create(prompt=texts, **asked)
+    by_ids = client.completions.create(prompt=ids, **asked)
+    for text, tokens in zip(by_text.choices, by_ids.choices, strict=True):
+        assert tokens.text == text.text
+        assert tokens.logprobs.token_logprobs == text.logprobs.token_logprobs
+    single = client.completions.create(prompt=ids[0], **asked)
+    assert single.choices[0].text == by_text.choices[0].text
+    too_big = {"model": MODEL, "prompt": [len(tokenizer)], "max_tokens": 1}
+    response = httpx.post(f"{base_url}/v1/completions", json=too_big, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"

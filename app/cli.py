@@ -1,0 +1,23 @@
+"""`tierserve`: the project's console script. Each command group lives in its own module
+and adds its subcommands here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from app import batch_cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run the chosen command; its exit status."""
+    parser = argparse.ArgumentParser(prog="tierserve", description=__doc__)
+    commands = parser.add_subparsers(dest="group", required=True)
+    batch_cli.add_commands(commands)
+    args = parser.parse_args(argv)
+    status: int = args.run(args)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
