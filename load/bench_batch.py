@@ -8,9 +8,9 @@ sent straight to the offline pool's engine.
 2. Batch API: the app as configured, on a private local Ray cluster; the same
    requests uploaded as one JSONL file and run as one batch, timed from create to
    completed. `ratio.batch_api_vs_engine` is engine time over batch time (throughput).
-3. Kill and resume: a second batch; halfway through, the batch runner's replica is
-   killed (Serve starts another, which resumes from the store), while one interactive
-   chat stream after another runs alongside. Lost and duplicated lines are counted
+3. Kill and resume: a second batch (the first KILL_LINES requests); halfway through,
+   the batch runner's replica is killed (Serve starts another, which resumes from the
+   store), while one interactive chat stream after another runs alongside. Lost and duplicated lines are counted
    from the output and error files; the interactive TTFT p95 is set against the
    tier's TTFT target scaled to this machine (load.bench_sla's machine factor).
 
@@ -45,6 +45,8 @@ BENCH = "batch"
 PROMPT_TOKENS = 96
 OUTPUT_TOKENS = 32
 INTERACTIVE_OUTPUT_TOKENS = 16
+KILL_LINES = 300
+"""Lines of the batch killed halfway (the first ones of the throughput batch)."""
 FINAL = ("completed", "failed", "expired", "cancelled")
 
 
@@ -162,8 +164,12 @@ def _has_text(chunk: dict[str, Any]) -> bool:
     return any(choice.get("delta", {}).get("content") for choice in chunk.get("choices", []))
 
 
-def run_batches(config: TierserveConfig, content: bytes, num_lines: int) -> dict[str, Any]:
-    """Phases 2 and 3 against one deployment."""
+def run_batches(
+    config: TierserveConfig, messages: list[str], kill_lines: int
+) -> dict[str, Any]:
+    """Phases 2 and 3 against one deployment (phase 3 on the first `kill_lines` requests)."""
+    content = batch_file(config.model_name, messages)
+    num_lines = len(messages)
     result: dict[str, Any] = {}
     with serving(config) as base_url:
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=2)
@@ -174,25 +180,26 @@ def run_batches(config: TierserveConfig, content: bytes, num_lines: int) -> dict
         batch = wait(client, submit(client, content))
         result["batch_s"] = time.perf_counter() - start_s
         result["completed"] = batch.request_counts.completed
-        log(f"--- kill and resume: {num_lines} lines, interactive stream alongside")
+        log(f"--- kill and resume: {kill_lines} lines, interactive stream alongside")
         probe = InteractiveProbe(base_url, config.model_name)
         probe.start()
         killed: list[str] = []
 
         def kill_halfway(progress: Any) -> None:
             counts = progress.request_counts
-            if not killed and counts is not None and counts.completed >= num_lines // 2:
+            if not killed and counts is not None and counts.completed >= kill_lines // 2:
                 killed.append(kill_replica("BatchRunner"))
                 log(f"killed {killed[0]} at {counts.completed} lines")
 
-        batch = wait(client, submit(client, content), on_progress=kill_halfway)
+        kill_content = batch_file(config.model_name, messages[:kill_lines])
+        batch = wait(client, submit(client, kill_content), on_progress=kill_halfway)
         probe.stop.set()
         probe.join()
         ids = custom_ids(client, batch)
         result |= {
             "kill_status": batch.status,
             "killed": bool(killed),
-            "lost": num_lines - len(set(ids)),
+            "lost": kill_lines - len(set(ids)),
             "duplicated": len(ids) - len(set(ids)),
             "interactive_ttfts_s": probe.ttfts_s,
             "interactive_refused": probe.refused,
@@ -211,13 +218,15 @@ def main() -> None:
     log(f"--- engine: {num_lines} requests straight to the offline pool's engine")
     engine_s = engine_seconds(config, messages)
     factor = machine_factor(config)
-    runs = run_batches(config, batch_file(config.model_name, messages), num_lines)
+    kill_lines = min(num_lines, KILL_LINES)
+    runs = run_batches(config, messages, kill_lines)
     common = {"lines": num_lines, "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS}
     emit(BENCH, "engine.seconds", engine_s, "s", **common)
     emit(BENCH, "batch.seconds", runs["batch_s"], "s", completed=runs["completed"], **common)
     emit(BENCH, "ratio.batch_api_vs_engine", engine_s / runs["batch_s"], "x", target=0.9, **common)
-    emit(BENCH, "batch.lost_lines", runs["lost"], "lines", killed=runs["killed"], target=0)
-    emit(BENCH, "batch.duplicated_lines", runs["duplicated"], "lines", target=0)
+    killed = {"killed": runs["killed"], "lines": kill_lines, "status": runs["kill_status"]}
+    emit(BENCH, "batch.lost_lines", runs["lost"], "lines", target=0, **killed)
+    emit(BENCH, "batch.duplicated_lines", runs["duplicated"], "lines", target=0, **killed)
     ttfts_ms = [t * 1000 for t in runs["interactive_ttfts_s"]]
     slo_ms = config.tier("interactive").ttft_ms * factor
     p95 = percentile(ttfts_ms, 95) if ttfts_ms else float("nan")

@@ -72,13 +72,26 @@ def _submit(client: openai.OpenAI, content: bytes, endpoint: str = "/v1/chat/com
 
 
 def _wait(client: openai.OpenAI, batch_id: str, timeout_s: float = 60) -> Any:
+    """The batch once final, waiting out restarts of the app's replicas."""
     deadline = time.monotonic() + timeout_s
-    while (batch := client.batches.retrieve(batch_id)).status not in (
+    while (batch := _retrieve(client, batch_id)).status not in (
         "completed", "failed", "cancelled", "expired",
     ):  # fmt: skip
         assert time.monotonic() < deadline, f"batch still {batch.status}"
         time.sleep(0.2)
     return batch
+
+
+def _retrieve(client: openai.OpenAI, batch_id: str) -> Any:
+    """The batch; while a killed replica is being replaced, its answer once it is back."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return client.batches.retrieve(batch_id)
+        except (openai.APIStatusError, openai.APIConnectionError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
@@ -184,17 +197,22 @@ def test_list_pages_newest_first(client: openai.OpenAI) -> None:
         _wait(client, batch_id)
 
 
-def test_runner_killed_mid_job_resumes_without_loss_or_duplicates(
-    client: openai.OpenAI,
+@pytest.mark.parametrize(
+    "victims",
+    [("BatchRunner",), ("BatchRunner", "Ingress", "pool-offline", "pool-interactive")],
+    ids=["runner", "whole-app"],
+)
+def test_killed_mid_job_resumes_without_loss_or_duplicates(
+    client: openai.OpenAI, victims: tuple[str, ...]
 ) -> None:
-    """Serve replaces the killed runner replica; the new one resumes from the store."""
+    """Serve replaces the killed replicas; the new runner resumes from the store."""
     num_lines = 120
     batch_id = _submit(client, _requests(num_lines, max_tokens=20))
     while _completed(client, batch_id) < num_lines // 4:
         time.sleep(0.05)
-    kill_replica("BatchRunner")
-    done_at_kill = _completed(client, batch_id, retry=True)
-    assert done_at_kill < num_lines, "the kill should land mid-job"
+    for deployment in victims:
+        kill_replica(deployment)
+    assert _completed(client, batch_id) < num_lines, "the kill should land mid-job"
     batch = _wait(client, batch_id, timeout_s=120)
     assert batch.status == "completed"
     outputs = _lines(client, batch.output_file_id)
@@ -202,17 +220,9 @@ def test_runner_killed_mid_job_resumes_without_loss_or_duplicates(
     assert batch.request_counts is not None and batch.request_counts.completed == num_lines
 
 
-def _completed(client: openai.OpenAI, batch_id: str, retry: bool = False) -> int:
-    """Lines done so far; with `retry`, waits out the runner's restart (503s)."""
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            counts = client.batches.retrieve(batch_id).request_counts
-            return 0 if counts is None else counts.completed
-        except (openai.APIStatusError, openai.APIConnectionError):
-            if not retry or time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+def _completed(client: openai.OpenAI, batch_id: str) -> int:
+    counts = _retrieve(client, batch_id).request_counts
+    return 0 if counts is None else counts.completed
 
 
 def test_cli_submits_follows_and_fetches_results(
@@ -230,6 +240,7 @@ def test_cli_submits_follows_and_fetches_results(
     assert json.loads(capsys.readouterr().out)["metadata"] == {"run": "cli"}
     output = tmp_path / "out.jsonl"
     assert main([*server, "results", batch_id, "-o", str(output)]) == 0
+    assert capsys.readouterr().out.strip() == f"{output}: 3 lines"
     records = [json.loads(line) for line in output.read_text().splitlines()]
     assert [r["custom_id"] for r in records] == ["req-0", "req-1", "req-2"]
     assert main([*server, "list", "--limit", "1"]) == 0
