@@ -10,9 +10,10 @@ sent straight to the offline pool's engine.
    completed. `ratio.batch_api_vs_engine` is engine time over batch time (throughput).
 3. Kill and resume: a second batch (the first KILL_LINES requests); halfway through,
    the batch runner's replica is killed (Serve starts another, which resumes from the
-   store), while one interactive chat stream after another runs alongside. Lost and duplicated lines are counted
-   from the output and error files; the interactive TTFT p95 is set against the
-   tier's TTFT target scaled to this machine (load.bench_sla's machine factor).
+   store), while one interactive chat stream after another runs alongside. Lost and
+   duplicated lines are counted from the output and error files; the interactive
+   TTFT p95 is set against the tier's TTFT target scaled to this machine
+   (load.bench_sla's machine factor).
 
 Prompts are random words (a passage and a question, ~PROMPT_TOKENS tokens): the
 prefix cache shares only the chat template's opening. Every request decodes
