@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
@@ -13,6 +13,12 @@ BatchStatus = Literal[
 
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 """Windows a batch may ask for, in seconds (OpenAI offers only 24h)."""
+
+Metadata = dict[
+    Annotated[str, StringConstraints(max_length=64)],
+    Annotated[str, StringConstraints(max_length=512)],
+]
+"""OpenAI's metadata: up to 16 string pairs, keys to 64 characters, values to 512."""
 
 
 class FileObject(BaseModel):
@@ -43,7 +49,7 @@ class BatchCreate(BaseModel):
     input_file_id: str
     endpoint: Literal["/v1/chat/completions", "/v1/completions"]
     completion_window: Literal["24h"]
-    metadata: dict[str, Any] | None = Field(default=None, max_length=16)
+    metadata: Metadata | None = Field(default=None, max_length=16)
 
 
 class BatchError(BaseModel):
@@ -92,7 +98,7 @@ class BatchObject(BaseModel):
     cancelling_at: int | None = None
     cancelled_at: int | None = None
     request_counts: RequestCounts
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
 
 
 class BatchList(BaseModel):

@@ -219,7 +219,8 @@ class Ingress:
         self, url: str, document: dict[str, Any]
     ) -> tuple[int, dict[str, Any]]:
         """One line of a batch job (the batch runner calls this), at the batch jobs' tier:
-        the same checks, placement and limits as over HTTP; answered as (status, JSON body)."""
+        the same checks and placement as over HTTP (not the key's rate limits: the runner
+        paces its lines); answered as (status, JSON body)."""
         call = Call(uuid.uuid4().hex, time.monotonic(), BATCH_RUNNER)
         try:
             document = {**document, "stream": False}

@@ -165,9 +165,7 @@ def _has_text(chunk: dict[str, Any]) -> bool:
     return any(choice.get("delta", {}).get("content") for choice in chunk.get("choices", []))
 
 
-def run_batches(
-    config: TierserveConfig, messages: list[str], kill_lines: int
-) -> dict[str, Any]:
+def run_batches(config: TierserveConfig, messages: list[str], kill_lines: int) -> dict[str, Any]:
     """Phases 2 and 3 against one deployment (phase 3 on the first `kill_lines` requests)."""
     content = batch_file(config.model_name, messages)
     num_lines = len(messages)

@@ -161,8 +161,15 @@ def test_api_refusals_are_openai_errors(client: openai.OpenAI, base_url: str) ->
         )  # type: ignore[arg-type]
     with pytest.raises(openai.NotFoundError):
         client.batches.retrieve("batch_missing")
-    chat_only = openai.OpenAI(base_url=f"{base_url}/v1", api_key=CHAT_ONLY_KEY, max_retries=0)
     uploaded = client.files.create(file=("in.jsonl", _requests(1)), purpose="batch")
+    with pytest.raises(openai.BadRequestError):  # metadata values are strings
+        client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata={"runs": 3},  # type: ignore[dict-item]
+        )
+    chat_only = openai.OpenAI(base_url=f"{base_url}/v1", api_key=CHAT_ONLY_KEY, max_retries=0)
     with pytest.raises(openai.PermissionDeniedError):
         chat_only.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
