@@ -115,9 +115,10 @@ class BatchStore:
     def delete_file(self, file_id: str) -> bool:
         """Forget the file; False if there was none."""
         with self._transaction() as db:
-            deleted = db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount
-        self._file_path(file_id).unlink(missing_ok=True)
-        return deleted > 0
+            deleted = db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount > 0
+        if deleted:  # only ids the store made ever name a path
+            self._file_path(file_id).unlink(missing_ok=True)
+        return deleted
 
     def _file_path(self, file_id: str) -> Path:
         return self.files_dir / f"{file_id}.jsonl"
