@@ -15,14 +15,8 @@ from typing import Any
 
 from deployments.batch_schemas import BatchError, BatchErrors
 from deployments.errors import ApiError
-from deployments.openai_api import ChatEndpoint, CompletionEndpoint, Endpoint, parse_body
+from deployments.openai_api import ENDPOINTS, parse_body
 from deployments.request_body import decode_json_object
-
-ENDPOINTS: dict[str, type[Endpoint]] = {
-    "/v1/chat/completions": ChatEndpoint,
-    "/v1/completions": CompletionEndpoint,
-}
-"""The endpoints a batch may target, and the shapes their bodies take."""
 
 MAX_REPORTED_ERRORS = 100
 """Line errors a failed batch lists; a file of a million bad lines still answers briefly."""

@@ -31,8 +31,11 @@ class ApiError(Exception):
         headers = {}
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(math.ceil(max(1.0, self.retry_after_s)))
-        body = ErrorResponse(error=self.detail).model_dump(mode="json")
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+    def body(self) -> dict[str, object]:
+        """OpenAI's error body, as JSON-ready fields."""
+        return ErrorResponse(error=self.detail).model_dump(mode="json")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

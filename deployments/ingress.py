@@ -30,7 +30,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments import schemas
 from deployments.batch_api import BatchApi
-from deployments.batch_lines import ENDPOINTS
 from deployments.calls import first_answer
 from deployments.config import CallerPolicy, IngressConfig
 from deployments.errors import (
@@ -46,8 +45,8 @@ from deployments.errors import (
 from deployments.gateway import Gateway
 from deployments.limits import check_limits
 from deployments.openai_api import (
+    ENDPOINTS,
     ChatEndpoint,
-    CompletionEndpoint,
     Echo,
     Endpoint,
     parse_body,
@@ -145,10 +144,10 @@ class Ingress:
         await self._monitor.poll_once()
         self._poller = asyncio.create_task(self._monitor.poll_forever())
         routes: dict[tuple[str, str], Route] = {
-            ("POST", "/v1/chat/completions"): Route(partial(self._complete, endpoint=ChatEndpoint)),
-            ("POST", "/v1/completions"): Route(
-                partial(self._complete, endpoint=CompletionEndpoint)
-            ),
+            **{
+                ("POST", path): Route(partial(self._complete, endpoint=endpoint))
+                for path, endpoint in ENDPOINTS.items()
+            },
             ("GET", "/v1/models"): Route(self._list_models),
             ("GET", "/health"): Route(self._health, public=True),
             ("GET", "/metrics"): Route(self._metrics),
@@ -231,7 +230,7 @@ class Ingress:
         except Exception:
             log.exception("batch line %s failed", call.request_id)
             refusal = internal_error(call.request_id)
-        return refusal.status, schemas.ErrorResponse(error=refusal.detail).model_dump(mode="json")
+        return refusal.status, refusal.body()
 
     async def _accept(
         self, call: Call, document: dict[str, Any], endpoint: type[Endpoint], tier_name: str | None

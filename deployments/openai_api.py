@@ -275,3 +275,10 @@ class _Scored(NamedTuple):
 
 def _finish_reason(output: RequestOutput) -> str | None:
     return output.finish_reason if output.finished else None
+
+
+ENDPOINTS: dict[str, type[Endpoint]] = {
+    "/v1/chat/completions": ChatEndpoint,
+    "/v1/completions": CompletionEndpoint,
+}
+"""Each completion endpoint's path: the ingress's routes and the endpoints a batch may target."""
