@@ -114,6 +114,7 @@ class Job:
                     params=replace(self.params, seed=seed),
                     priority=self.tier.priority,
                     max_step_s=self.max_step_s,
+                    stream=self.body.stream,
                 )
             )
         return requests

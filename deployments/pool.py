@@ -55,6 +55,11 @@ class PoolRequest:
     priority: int
     max_step_s: float | None = None
     """Its tier's time per output token, when the pool is to keep it (None: no target)."""
+    stream: bool = True
+    """Whether the caller reads deltas as they come. When not (a non-streamed answer, a
+    batch line), the pool sends the first delta, then the rest as one with the last:
+    one message per step per sequence costs the replica's event loop more than the
+    engine's step can spare."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,19 @@ class ReplicaStats:
 
 EngineFactory = Callable[[EngineConfig], Engine]
 """An engine class, or anything that builds an engine from its config."""
+
+
+async def _first_and_last(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """The deltas up to the first token as they come, the rest joined into the last."""
+    held: RequestOutput | None = None
+    async for output in stream:
+        first_token = output.num_output_tokens == len(output.new_token_ids)
+        if held is None and (first_token or output.finished):
+            yield output
+        else:
+            held = output if held is None else held.then(output)
+            if output.finished:
+                yield held
 
 
 def _default_engine_cls() -> EngineFactory:
@@ -108,7 +126,8 @@ class Pool:
         )
         # Engines implement `generate` as an async generator; the engine annotates an iterator.
         async with aclosing(cast(AsyncGenerator[RequestOutput, None], stream)):
-            async for output in stream:
+            deltas = stream if request.stream else _first_and_last(stream)
+            async for output in deltas:
                 yield output
 
     def tokenizer(self) -> Any:

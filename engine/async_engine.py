@@ -120,8 +120,7 @@ class AsyncLLMEngine:
         outputs = self.engine.step()
         self._step_started_s = None
         self._stats = self.engine.stats()  # before delivering: a finished client sees it
-        for output in outputs:
-            self._deliver(output.request_id, output)
+        self._deliver_all([(output.request_id, output) for output in outputs])
 
     def _fail_all(self, exc: Exception) -> None:
         """Abort every live request with an error; if even that fails, the engine is dead."""
@@ -155,7 +154,21 @@ class AsyncLLMEngine:
             self._deliver(request_id, exc)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand each item to its stream: one wake-up per event loop, not one per request
+        (a step of 64 sequences would otherwise wake the caller's loop 64 times)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is not None:
+                loop, stream = target
+                by_loop.setdefault(loop, []).append((stream, item))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_each, puts)
+
+
+def _put_each(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    for stream, item in puts:
+        stream.put_nowait(item)

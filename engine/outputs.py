@@ -3,7 +3,7 @@ back (one RequestOutput per request per step, and live stats)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from engine.request import Request
@@ -55,6 +55,22 @@ class RequestOutput:
     """Prompt tokens served from the prefix cache."""
     queue_time_s: float | None = None
     """Time from arrival until the request was first scheduled."""
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This delta and the request's next one as a single delta (tokens, text and
+        logprobs joined; the ending and counters of the later one)."""
+        logprobs = None
+        if self.new_logprobs is not None or later.new_logprobs is not None:
+            logprobs = (self.new_logprobs or []) + (later.new_logprobs or [])
+        return replace(
+            later,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_text=self.new_text + later.new_text,
+            new_logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+            num_prompt_tokens=later.num_prompt_tokens or self.num_prompt_tokens,
+            queue_time_s=self.queue_time_s if self.queue_time_s is not None else later.queue_time_s,
+        )
 
 
 @dataclass(frozen=True)
