@@ -57,9 +57,9 @@ class PoolRequest:
     """Its tier's time per output token, when the pool is to keep it (None: no target)."""
     stream: bool = True
     """Whether the caller reads deltas as they come. When not (a non-streamed answer, a
-    batch line), the pool sends the first delta, then the rest as one with the last:
-    one message per step per sequence costs the replica's event loop more than the
-    engine's step can spare."""
+    batch line), the pool sends the first delta (its time is the TTFT), then the rest as
+    one with the last, instead of a message per step per sequence that nobody reads.
+    The ingress then sees such a sequence's progress only at its first token and end."""
 
 
 @dataclass(frozen=True)

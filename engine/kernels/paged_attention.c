@@ -8,7 +8,7 @@
  * attention) are served by the same pass over K and V.
  *
  * Consecutive queries of one sequence (a prefill chunk) form a tile that shares
- * each K/V block, converted to fp32 once. Every query's arithmetic
+ * each K/V block (converted to fp32 once, when the cache is bf16). Every query's arithmetic
  * is the same whatever its tile: `attend_block` folds one block into one
  * query's state, block after block in cache order, so a token's attention is
  * bit for bit the same computed alone (a decode) or in a chunk of any size.
@@ -58,10 +58,15 @@ typedef struct {
     float run_sum[MAX_GROUP];
 } QueryState;
 
-/* A block's keys and values for one KV head, in fp32. */
+/* A block's keys and values for one KV head, in fp32: `k_row[p]`, `v_row[p]` point at
+ * position p's key and value. An fp32 cache is read where it lies; a bf16 one is
+ * converted into `k` and `v` first (a copy of an fp32 block cost a decode a fifth of
+ * its time). */
 typedef struct {
     float k[MAX_BLOCK][MAX_HEAD_DIM] __attribute__((aligned(64)));
     float v[MAX_BLOCK][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    const float *k_row[MAX_BLOCK];
+    const float *v_row[MAX_BLOCK];
 } Block;
 
 static inline vec load_vec(const float *p) {
@@ -95,20 +100,20 @@ static void block_scores(const float *q, const Block *b, int64_t head_dim, int64
         vec c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
         for (int64_t d = 0; d < full; d += LANES) {
             vec qd = load_vec(&q[d]);
-            c0 += qd * load_vec(&b->k[p][d]);
-            c1 += qd * load_vec(&b->k[p + 1][d]);
-            c2 += qd * load_vec(&b->k[p + 2][d]);
-            c3 += qd * load_vec(&b->k[p + 3][d]);
+            c0 += qd * load_vec(&b->k_row[p][d]);
+            c1 += qd * load_vec(&b->k_row[p + 1][d]);
+            c2 += qd * load_vec(&b->k_row[p + 2][d]);
+            c3 += qd * load_vec(&b->k_row[p + 3][d]);
         }
-        score[p] = sum_lanes(c0) + tail_dot(q, b->k[p], full, head_dim);
-        score[p + 1] = sum_lanes(c1) + tail_dot(q, b->k[p + 1], full, head_dim);
-        score[p + 2] = sum_lanes(c2) + tail_dot(q, b->k[p + 2], full, head_dim);
-        score[p + 3] = sum_lanes(c3) + tail_dot(q, b->k[p + 3], full, head_dim);
+        score[p] = sum_lanes(c0) + tail_dot(q, b->k_row[p], full, head_dim);
+        score[p + 1] = sum_lanes(c1) + tail_dot(q, b->k_row[p + 1], full, head_dim);
+        score[p + 2] = sum_lanes(c2) + tail_dot(q, b->k_row[p + 2], full, head_dim);
+        score[p + 3] = sum_lanes(c3) + tail_dot(q, b->k_row[p + 3], full, head_dim);
     }
     for (; p < n; p++) {
         vec c = {0};
-        for (int64_t d = 0; d < full; d += LANES) c += load_vec(&q[d]) * load_vec(&b->k[p][d]);
-        score[p] = sum_lanes(c) + tail_dot(q, b->k[p], full, head_dim);
+        for (int64_t d = 0; d < full; d += LANES) c += load_vec(&q[d]) * load_vec(&b->k_row[p][d]);
+        score[p] = sum_lanes(c) + tail_dot(q, b->k_row[p], full, head_dim);
     }
 }
 
@@ -121,7 +126,7 @@ static void accumulate_values(float *acc, const float *weight, const Block *b,
         vec a0 = load_vec(&acc[d0]), a1 = load_vec(&acc[d0 + LANES]);
         vec a2 = load_vec(&acc[d0 + 2 * LANES]), a3 = load_vec(&acc[d0 + 3 * LANES]);
         for (int64_t p = 0; p < n; p++) {
-            const float *v = &b->v[p][d0];
+            const float *v = &b->v_row[p][d0];
             a0 += weight[p] * load_vec(v);
             a1 += weight[p] * load_vec(v + LANES);
             a2 += weight[p] * load_vec(v + 2 * LANES);
@@ -133,7 +138,7 @@ static void accumulate_values(float *acc, const float *weight, const Block *b,
         memcpy(&acc[d0 + 3 * LANES], &a3, sizeof a3);
     }
     for (; d0 < head_dim; d0++)
-        for (int64_t p = 0; p < n; p++) acc[d0] += weight[p] * b->v[p][d0];
+        for (int64_t p = 0; p < n; p++) acc[d0] += weight[p] * b->v_row[p][d0];
 }
 
 /* Fold n positions of a block into one query's state. Softmax weights and the V sum are
@@ -166,7 +171,8 @@ static int64_t tile_length(const int64_t *query_seq, int64_t i, int64_t num_quer
     return len;
 }
 
-#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE)                                           \
+/* IN_PLACE: T is float, and the cache's rows are read where they lie. */
+#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, IN_PLACE)                                           \
     int NAME(const T *q, const T *k_cache, const T *v_cache, T *out,                          \
              const int64_t *block_tables, int64_t max_blocks, const int64_t *query_seq,       \
              const int64_t *visible, int64_t num_queries, int64_t num_heads,                  \
@@ -205,10 +211,17 @@ static int64_t tile_length(const int64_t *query_seq, int64_t i, int64_t num_quer
                     for (int64_t p = 0; p < n; p++) {                                         \
                         const T *kp = k_cache + ((base + p) * num_kv_heads + g) * head_dim;   \
                         const T *vp = v_cache + ((base + p) * num_kv_heads + g) * head_dim;   \
+                        if (IN_PLACE) {                                                       \
+                            b->k_row[p] = (const float *)kp;                                  \
+                            b->v_row[p] = (const float *)vp;                                  \
+                            continue;                                                         \
+                        }                                                                     \
                         for (int64_t d = 0; d < head_dim; d++) {                              \
                             b->k[p][d] = LOAD(kp[d]);                                         \
                             b->v[p][d] = LOAD(vp[d]);                                         \
                         }                                                                     \
+                        b->k_row[p] = b->k[p];                                                \
+                        b->v_row[p] = b->v[p];                                                \
                     }                                                                         \
                     for (int64_t t = 0; t < len; t++) {                                       \
                         int64_t seen = visible[i + t] - start; /* this query's part */        \
@@ -232,5 +245,5 @@ static int64_t tile_length(const int64_t *query_seq, int64_t i, int64_t num_quer
         return 0;                                                                             \
     }
 
-DEFINE_PAGED_ATTENTION(paged_attention_f32, float, load_f32, store_f32)
-DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, load_bf16, store_bf16)
+DEFINE_PAGED_ATTENTION(paged_attention_f32, float, load_f32, store_f32, 1)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, load_bf16, store_bf16, 0)
