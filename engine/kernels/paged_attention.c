@@ -172,7 +172,7 @@ static int64_t tile_length(const int64_t *query_seq, int64_t i, int64_t num_quer
 }
 
 /* IN_PLACE: T is float, and the cache's rows are read where they lie. */
-#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, IN_PLACE)                                           \
+#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, IN_PLACE)                                 \
     int NAME(const T *q, const T *k_cache, const T *v_cache, T *out,                          \
              const int64_t *block_tables, int64_t max_blocks, const int64_t *query_seq,       \
              const int64_t *visible, int64_t num_queries, int64_t num_heads,                  \
