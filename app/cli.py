@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from app import batch_cli
+from app import batch_cli, distill_cli, router_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,6 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tierserve", description=__doc__)
     commands = parser.add_subparsers(dest="group", required=True)
     batch_cli.add_commands(commands)
+    distill_cli.add_commands(commands)
+    router_cli.add_commands(commands)
     args = parser.parse_args(argv)
     status: int = args.run(args)
     return status

@@ -98,6 +98,10 @@ class PoolConfig(_Strict):
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each replica needs (e.g. {"pool_offline": 1}): pins the pool to
     the nodes or worker group that carry them."""
+    distill_if_missing: bool = False
+    """For a pool of `model: student`: when no student has been distilled yet, the replica
+    starts one in the background (`tierserve distill`, at low CPU priority) and serves
+    once it is published. Until then the pool reports itself unavailable."""
 
     @property
     def max_replicas(self) -> int:
@@ -231,11 +235,22 @@ class BatchJobsConfig(_Strict):
     holding data_dir's volume offers, so a restarted runner finds its store."""
 
 
+class SmallModelConfig(_Strict):
+    """The small model and how requests reach it (policies/model_routing.py)."""
+
+    pool: str
+    """The pool serving the small model; no tier names it, requests reach it by model."""
+    router_file: Path = Path("configs/router.json")
+    """The difficulty router (`tierserve router train` writes it), read when the app is
+    built; relative paths are from the directory `serve run` starts in."""
+
+
 class IngressConfig(_Strict):
     """What the ingress routes by: the public model, tiers, pools and the gateway."""
 
     model_name: str = "SmolLM2-135M-Instruct"
-    """The public model id: `GET /v1/models` lists it and requests must name it."""
+    """The default model's public id: `GET /v1/models` lists it (with the small model's,
+    if any) and requests name it, the small model, or `auto`."""
     default_tier: str = "standard"
     tiers: tuple[Tier, ...]
     pools: tuple[PoolConfig, ...]
@@ -248,6 +263,8 @@ class IngressConfig(_Strict):
     log_prompts: bool = False
     """Include prompt text in the per-request log line."""
     batch_jobs: BatchJobsConfig = BatchJobsConfig()
+    small_model: SmallModelConfig | None = None
+    """Easy `model: auto` requests of tiers with `difficulty_routing` go to this model."""
 
     @model_validator(mode="after")
     def _check_references(self) -> IngressConfig:
@@ -278,7 +295,19 @@ class IngressConfig(_Strict):
                     f"tier {tier.name!r} deadline_s {tier.deadline_s} exceeds "
                     f"request_timeout_s {self.request_timeout_s}"
                 )
+        self._check_small_model()
         return self
+
+    def _check_small_model(self) -> None:
+        if self.small_model is None:
+            return
+        name = self.small_model.pool
+        if name not in {p.name for p in self.pools}:
+            raise ValueError(f"small_model.pool {name!r} is not a pool")
+        if any(name in (t.pool, t.overflow_pool) for t in self.tiers):
+            raise ValueError(f"small_model.pool {name!r} must not be a tier's pool")
+        if self.pool(name).model_name == self.model_name:
+            raise ValueError(f"the small pool {name!r} must serve a model other than the default")
 
     def tier(self, name: str) -> Tier:
         """The tier called `name` (names are checked at load)."""

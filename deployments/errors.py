@@ -80,6 +80,15 @@ def pool_unavailable(tier: str, retry_after_s: float) -> ApiError:
     )
 
 
+def model_unavailable(model: str, why: str | None, retry_after_s: float) -> ApiError:
+    """503: the named model has no serving replica now (the small model before it has been
+    distilled, say why); the default model or `auto` still serve."""
+    message = f"The model {model!r} is not available now ({why or 'no live replica'})."
+    return ApiError(
+        503, message, type_="server_error", code="model_unavailable", retry_after_s=retry_after_s
+    )
+
+
 def internal_error(request_id: str) -> ApiError:
     """500 for a fault of ours: no internals, only the id to find the logged traceback."""
     message = f"The server had an error while processing the request (request id {request_id})."

@@ -38,6 +38,7 @@ from deployments.errors import (
     context_length_exceeded,
     deadline_exceeded,
     internal_error,
+    model_unavailable,
     pool_unavailable,
     replica_unavailable,
     too_many_requests,
@@ -60,6 +61,8 @@ from deployments.streaming import ChoiceProgress, merge_streams, usage
 from deployments.telemetry import RequestRecord, Telemetry
 from engine.outputs import RequestOutput
 from engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from policies.difficulty import DifficultyModel, prompt_features
+from policies.model_routing import AUTO_MODEL, ModelChoice, ModelRoutes, choose_model
 from policies.placement import Placement, RequestShape, place
 from policies.tiers import Tier, resolve_tier
 
@@ -89,6 +92,8 @@ class Job:
     """Monotonic time past which the request is aborted."""
     placement: Placement
     """Why this pool: the predicted latency and whether the request was downgraded."""
+    model_choice: ModelChoice
+    """Which model the request asked for or the router chose, and why."""
 
     @property
     def max_step_s(self) -> float | None:
@@ -131,12 +136,20 @@ class Ingress:
         config: IngressConfig,
         pools: dict[str, DeploymentHandle],
         batch_runner: DeploymentHandle | None = None,
+        router: DifficultyModel | None = None,
     ) -> None:
         self._config = config
         self._pools = pools
-        # Pools of one family share a tokenizer; routing needs the token count first.
+        self._router = router
+        self._models = model_routes(config)
+        # Pools of one family share a tokenizer; routing needs the token count first. The
+        # default model's pools have it from the start (a small pool may still be waiting).
         self._tokenizer = await first_answer(
-            [cast(DeploymentResponse, h.tokenizer.remote()) for h in pools.values()]
+            [
+                cast(DeploymentResponse, h.tokenizer.remote())
+                for name, h in pools.items()
+                if config.pool(name).model_name == config.model_name
+            ]
         )
         pool_configs = {p.name: p for p in config.pools}
         self._gateway = Gateway(config.gateway)
@@ -185,15 +198,29 @@ class Ingress:
         return await route.handler(request, Call(request_id, start_s, caller))
 
     async def _list_models(self, request: Request, call: Call) -> Response:
-        card = schemas.ModelCard(id=self._config.model_name, created=0)
-        return JSONResponse(schemas.ModelList(data=[card]).model_dump(mode="json"))
+        """The models requests may name (`auto`, which lets the router choose, is not one)."""
+        names = [n for n in self._models.names if n != AUTO_MODEL]
+        cards = [schemas.ModelCard(id=name, created=0) for name in names]
+        return JSONResponse(schemas.ModelList(data=cards).model_dump(mode="json"))
 
     async def _health(self, request: Request, call: Call) -> Response:
-        """503 while some pool has no live replica, so a load balancer routes elsewhere."""
-        down = [name for name in self._pools if not self._monitor.replica_stats(name)]
+        """503 while some pool has no live replica, so a load balancer routes elsewhere; a
+        pool still waiting for its model (the small model before it is distilled) is named
+        in `unavailable` but does not fail the check: everything else serves."""
+        waiting = {
+            name: reason
+            for name in self._pools
+            if (reason := self._monitor.unavailable_reason(name)) is not None
+        }
+        down = [
+            name for name in self._pools if not self._monitor.replica_stats(name)
+            and name not in waiting
+        ]  # fmt: skip
+        details: dict[str, Any] = {"unavailable": waiting} if waiting else {}
         if down:
-            return JSONResponse({"status": "degraded", "pools_down": down}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            body = {"status": "degraded", "pools_down": down, **details}
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ok", **details})
 
     async def _metrics(self, request: Request, call: Call) -> Response:
         return Response(self._telemetry.render(), media_type=CONTENT_TYPE_LATEST)
@@ -238,8 +265,8 @@ class Ingress:
     ) -> Job:
         """The request's job, charged to its caller; the 4xx that refuses it otherwise."""
         body = parse_body(endpoint.schema, document)
-        if body.model != self._config.model_name:
-            message = f"The model {body.model!r} does not exist."
+        if body.model not in self._models.names:
+            message = f"The model {body.model!r} does not exist; use one of {self._models.names}."
             raise ApiError(404, message, code="model_not_found", param="model")
         check_limits(body, self._config.limits)
         tier = self._tier(tier_name, body, call.caller)
@@ -270,8 +297,12 @@ class Ingress:
         num_sequences = len(prompts) * body.n
         longest = max(len(p) for p in prompts)
         shape = RequestShape(longest, body.requested_max_tokens or 0, num_sequences)
-        placement = place(tier, shape, self._monitor.states(), jitter=random.random())
+        choice = self._choose_model(body, tier, longest)
+        placement = place(choice.tier, shape, self._monitor.states(), jitter=random.random())
         self._telemetry.count_decision(tier.name, placement.reason, placement.pool)
+        if placement.reason == "unavailable" and choice.model == self._models.small_model:
+            why = self._monitor.unavailable_reason(choice.tier.pool)
+            raise model_unavailable(choice.model, why, placement.retry_after_s or 1)
         if placement.reason == "unavailable":
             raise pool_unavailable(tier.name, placement.retry_after_s or 1)
         if placement.pool is None:
@@ -297,7 +328,7 @@ class Ingress:
             endpoint=endpoint_cls(
                 request_id,
                 int(time.time()),
-                body.model,
+                self._config.pool(pool).model_name,
                 self._tokenizer,
                 with_logprobs=body.num_logprobs is not None,
                 echo=tuple(
@@ -312,7 +343,25 @@ class Ingress:
             time_limit_s=time_limit_s,
             deadline_s=call.start_s + time_limit_s,
             placement=placement,
+            model_choice=choice,
         )
+
+    def _choose_model(
+        self, body: schemas.SamplingFields, tier: Tier, num_tokens: int
+    ) -> ModelChoice:
+        """The model for this request (policies/model_routing.py); counted in the metrics."""
+        small_pool = self._models.small_pool
+        available = small_pool is not None and bool(self._monitor.replica_stats(small_pool))
+
+        def score() -> tuple[float, bool]:
+            """The router's verdict, computed only when the choice needs it."""
+            assert self._router is not None  # a small model is configured only with a router
+            features = prompt_features(body.routing_text, num_tokens, body.requested_max_tokens)
+            return self._router.score(features), self._router.routes_to_small(features)
+
+        choice = choose_model(body.model, tier, self._models, available, score)
+        self._telemetry.count_model_decision(tier.name, choice.model, choice.reason)
+        return choice
 
     def _tier(self, header: str | None, body: schemas.SamplingFields, caller: CallerPolicy) -> Tier:
         """The tier asked for (header, body, key default), if it exists and the key may use it."""
@@ -408,10 +457,13 @@ class Ingress:
             headers["x-tierserve-predicted-ttft-ms"] = f"{prediction.ttft_s * 1000:.0f}"
         if job.placement.downgraded:
             headers["x-tierserve-downgraded"] = "true"
+        if job.model_choice.difficulty is not None:
+            headers["x-tierserve-difficulty"] = f"{job.model_choice.difficulty:.3f}"
         return headers
 
     def _record(self, job: Job, status: str) -> RequestRecord:
-        prompt_text = self._tokenizer.decode(job.prompts[0]) if self._config.log_prompts else None
+        log_prompts = self._config.log_prompts
+        prompt_text = self._tokenizer.decode(job.prompts[0]) if log_prompts else None
         return RequestRecord(
             request_id=job.request_id,
             key_name=job.key.name,
@@ -421,7 +473,17 @@ class Ingress:
             choices=job.choices,
             end_s=time.monotonic(),
             prompt_text=prompt_text,
+            request_text=job.body.routing_text if log_prompts else None,
+            max_tokens=job.body.requested_max_tokens,
         )
+
+
+def model_routes(config: IngressConfig) -> ModelRoutes:
+    """The models the config serves: the default one and the small pool's, if any."""
+    small = config.small_model
+    if small is None:
+        return ModelRoutes(config.model_name)
+    return ModelRoutes(config.model_name, config.pool(small.pool).model_name, small.pool)
 
 
 def _nth_seed(seed: int, index: int) -> int:

@@ -7,6 +7,8 @@ The engine class is injectable so deployment tests run a fake without a model.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -14,10 +16,14 @@ from typing import Any, Protocol, cast
 
 from ray import serve
 
+from deployments.student_wait import wait_for_student, waiting_reason
 from engine.config import EngineConfig
+from engine.distill.registry import StudentMissing
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import DEFAULT_URGENCY, Urgency
 from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class Engine(Protocol):
@@ -67,9 +73,12 @@ class ReplicaStats:
     """One replica's engine stats, tagged with the replica so the ingress can count live ones."""
 
     replica_id: str
-    engine: EngineStats
+    engine: EngineStats | None
+    """None while the replica has no engine yet (see `unavailable`)."""
     max_model_len: int
     """The replica's context length: the ingress learns it with the load."""
+    unavailable: str | None = None
+    """Why the replica serves nothing yet (its model is still being made), or None."""
 
 
 EngineFactory = Callable[[EngineConfig], Engine]
@@ -104,13 +113,45 @@ class Pool:
     from the engine config before building the engine.
     """
 
-    def __init__(self, config: EngineConfig, engine_cls: EngineFactory | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        engine_cls: EngineFactory | None = None,
+        distill_if_missing: bool = False,
+    ) -> None:
         if engine_cls is None:
             from engine.process import configure_process  # torch: only real replicas need it
 
             configure_process(config)
-        self._engine = (engine_cls or _default_engine_cls())(config)
         self._max_num_seqs = config.max_num_seqs
+        self._engine: Engine | None = None
+        self._unavailable: str | None = None
+        self._load_error: BaseException | None = None
+        factory = engine_cls or _default_engine_cls()
+        try:
+            self._engine = factory(config)
+        except StudentMissing:
+            self._unavailable = waiting_reason(config.cache_dir, distill_if_missing)
+            waiter = threading.Thread(
+                target=self._load_student,
+                args=(config, factory, distill_if_missing),
+                name="student-wait",
+                daemon=True,
+            )
+            waiter.start()
+
+    def _load_student(self, config: EngineConfig, factory: EngineFactory, distill: bool) -> None:
+        """Wait for the student to be published (distilling it when asked), then serve it;
+        a failure surfaces in check_health, so Serve replaces the replica."""
+        try:
+            wait_for_student(config.cache_dir, distill)
+            self._engine = factory(config)
+        except Exception as error:
+            log.exception("loading the distilled student failed")
+            self._load_error = error
+            return
+        self._unavailable = None
+        log.warning("the distilled student is loaded: this pool now serves")
 
     async def generate(self, request: PoolRequest) -> AsyncIterator[RequestOutput]:
         """Stream the engine's deltas; leaving early (cancel, disconnect) aborts in the engine.
@@ -118,7 +159,7 @@ class Pool:
         `aclosing` closes the engine's generator at once when Serve cancels
         this one, which is what frees the request's KV blocks.
         """
-        stream = self._engine.generate(
+        stream = self._ready().generate(
             request.prompt_token_ids,
             request.params,
             request.request_id,
@@ -132,17 +173,31 @@ class Pool:
 
     def tokenizer(self) -> Any:
         """The tokenizer the ingress counts and encodes prompts with."""
-        return self._engine.tokenizer
+        return self._ready().tokenizer
 
     def stats(self) -> ReplicaStats:
         """This replica's engine stats, for the ingress's pool monitor."""
         replica_id = serve.get_replica_context().replica_id.unique_id
+        if self._engine is None:
+            return ReplicaStats(replica_id, None, 0, self._unavailable)
         return ReplicaStats(replica_id, self._engine.stats(), self._engine.max_model_len)
 
     def check_health(self) -> None:
-        """Serve replaces the replica when this raises: a dead step loop would hang every stream."""
+        """Serve replaces the replica when this raises: a dead step loop would hang every
+        stream, and a failed student load would leave the pool waiting forever."""
+        if self._load_error is not None:
+            raise RuntimeError("loading the distilled student failed") from self._load_error
+        if self._engine is None:
+            return
         if not self._engine.is_alive():
             raise RuntimeError("engine step loop is not running")
+
+    def _ready(self) -> Engine:
+        """The engine; an error naming why when the replica has none yet (the ingress
+        routes nothing here until it reports one, so only a race ends here)."""
+        if self._engine is None:
+            raise RuntimeError(f"this pool is unavailable: {self._unavailable}")
+        return self._engine
 
     def record_routing_stats(self) -> dict[str, float]:
         """Read by the pool's request router (deployments/request_router.py) to rank replicas.
@@ -157,6 +212,8 @@ class Pool:
         return self._load()
 
     def _load(self) -> dict[str, float]:
+        if self._engine is None:
+            return {"num_waiting": 0, "num_running": 0, "kv_cache_usage": 0.0}
         stats = self._engine.stats()
         return {
             "num_waiting": stats.num_waiting,

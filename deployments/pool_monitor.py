@@ -67,6 +67,7 @@ class PoolMonitor:
         self._typical_output = dict.fromkeys(pools, float(TYPICAL_OUTPUT_TOKENS))
         self._replicas: dict[str, dict[str, _Seen]] = {name: {} for name in pools}
         self._max_model_len: dict[str, int] = {}
+        self._unavailable: dict[str, str] = {}
         self.replica_seconds = dict.fromkeys(pools, 0.0)
         """Replica time spent so far per pool: the basis of the cost metric."""
 
@@ -123,6 +124,11 @@ class PoolMonitor:
         fresh_after_s = time.monotonic() - STALE_AFTER_POLLS * self._poll_interval_s
         return [seen.stats for seen in self._replicas[pool].values() if seen.at_s >= fresh_after_s]
 
+    def unavailable_reason(self, pool: str) -> str | None:
+        """Why a pool with no live replica is waiting (its model is still being made), as
+        its replicas said; None for a pool that is live or simply down."""
+        return None if self.replica_stats(pool) else self._unavailable.get(pool)
+
     async def poll_forever(self) -> None:
         """Refresh replica stats every period, each pool on its own clock (a pool whose
         calls go unanswered must not age the others' stats); runs for the life of the
@@ -149,11 +155,14 @@ class PoolMonitor:
         calls = [self._handles[pool].stats.remote() for _ in range(self._pools[pool].max_replicas)]
         answers = (within(call, timeout_s) for call in calls)
         for result in await asyncio.gather(*answers, return_exceptions=True):
-            if isinstance(result, ReplicaStats):
+            if not isinstance(result, ReplicaStats):
+                log.warning("stats poll of pool %s failed: %r", pool, result)
+            elif result.engine is None:  # alive, but its model is still being made
+                self._unavailable[pool] = result.unavailable or "no engine yet"
+            else:
                 self._replicas[pool][result.replica_id] = _Seen(result.engine, time.monotonic())
                 self._max_model_len[pool] = result.max_model_len
-            else:
-                log.warning("stats poll of pool %s failed: %r", pool, result)
+                self._unavailable.pop(pool, None)
 
 
 def _mean_step_cost(stats: list[EngineStats]) -> StepCost:

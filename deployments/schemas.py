@@ -103,6 +103,11 @@ class SamplingFields(_Request):
         return []
 
     @property
+    def routing_text(self) -> str:
+        """What the difficulty router reads: the request's own words, without a template."""
+        return ""
+
+    @property
     def include_usage_chunk(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
@@ -149,6 +154,11 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
     @property
+    def routing_text(self) -> str:
+        """The user turns: what is being asked."""
+        return "\n".join(m.text for m in self.messages if m.role == "user")
+
+    @property
     def num_logprobs(self) -> int | None:
         """`top_logprobs` alternatives when `logprobs` is true."""
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -179,6 +189,12 @@ class CompletionRequest(SamplingFields):
     def echoed_prompts(self) -> list[str] | list[TokenIds]:
         """Every prompt, with `echo`."""
         return self.prompt if self.echo else []
+
+    @property
+    def routing_text(self) -> str:
+        """The first prompt when it is text (token ids are routed by their count alone)."""
+        first = self.prompt[0]
+        return first if isinstance(first, str) else ""
 
 
 class Usage(BaseModel):

@@ -44,6 +44,11 @@ class RequestRecord:
     end_s: float
     prompt_text: str | None = None
     """Only when config.log_prompts is on."""
+    request_text: str | None = None
+    """The request's own words (what the difficulty router reads); with log_prompts only.
+    `tierserve router train --from-logs` retrains the router on these."""
+    max_tokens: int | None = None
+    """As requested (None: not given)."""
 
 
 class Telemetry:
@@ -91,6 +96,11 @@ class Telemetry:
             "tierserve:admission_decisions", "Placement decisions by tier, reason and pool.",
             ["tier", "reason", "pool"], registry=r,
         )  # fmt: skip
+        self._model_decisions = Counter(
+            "tierserve:model_decisions", "Model choices by tier, model and reason "
+            "(pinned, not_routed, small_unavailable, easy, hard).",
+            ["tier", "model", "reason"], registry=r,
+        )  # fmt: skip
         self._output_tokens_by_pool = dict.fromkeys(pools, 0)
         r.register(_EngineCollector(model_name, pools, monitor, self._output_tokens_by_pool))
 
@@ -106,6 +116,10 @@ class Telemetry:
     def count_decision(self, tier: str, reason: str, pool: str | None) -> None:
         """Count one placement decision (policies/placement.py); a refusal has pool `none`."""
         self._decisions.labels(tier, reason, pool or "none").inc()
+
+    def count_model_decision(self, tier: str, model: str, reason: str) -> None:
+        """Count one model choice (policies/model_routing.py)."""
+        self._model_decisions.labels(tier, model, reason).inc()
 
     def render(self) -> bytes:
         """Every metric in Prometheus's text format."""
@@ -146,8 +160,12 @@ def _log_fields(record: RequestRecord, model: str) -> dict[str, object]:
         "ttft_ms": _ms(first.ttft_s if first else None),
         "latency_ms": _ms(record.end_s - first.start_s if first else None),
     }
+    if record.max_tokens is not None:
+        fields["max_tokens"] = record.max_tokens
     if record.prompt_text is not None:
         fields["prompt"] = record.prompt_text
+    if record.request_text is not None:
+        fields["request_text"] = record.request_text
     return fields
 
 

@@ -47,7 +47,12 @@ def serving(
     engine_cls: EngineFactory | None = None,
     python_path: Sequence[Path] = (),
 ) -> Iterator[str]:
-    """Run the app until the block ends; yields its base URL once /health answers 200."""
+    """Run the app until the block ends; yields its base URL once /health answers 200.
+
+    A private cluster tests or measures what is cached: a small pool without a student
+    waits rather than distil in the background (minutes of both cores)."""
+    pools = tuple(p.model_copy(update={"distill_if_missing": False}) for p in config.pools)
+    config = config.model_copy(update={"pools": pools})
     port = free_port()
     # Ray 2.60 local clusters turn on token auth, which breaks `serve.shutdown`.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

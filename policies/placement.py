@@ -139,8 +139,9 @@ def _refuse(prediction: Prediction, reason: str, wait_s: float, jitter: float) -
 
 def _preference(tier: Tier, name: str, pool: PoolState) -> tuple[bool, float]:
     """Cheapest first; a `protect` tier keeps to its own pool while that meets the SLO (its
-    pool is configured for latency: small batches, speculation)."""
-    away = tier.on_slo_miss == "protect" and name != tier.pool
+    pool is configured for latency: small batches, speculation), as does a tier that asks to
+    (`keep_to_pool`: an easy request on the small model)."""
+    away = (tier.on_slo_miss == "protect" or tier.keep_to_pool) and name != tier.pool
     return away, pool.cost_per_1k_tokens
 
 

@@ -32,6 +32,12 @@ class Tier(BaseModel):
     """When no pool is predicted to meet the SLO: `protect` runs it wherever its first token
     is in time (refused only when its own tier's demand is too much), `downgrade` runs it
     on `overflow_pool` without the SLO, `queue` waits on `pool` (policies/placement.py)."""
+    keep_to_pool: bool = False
+    """Prefer `pool` to a cheaper overflow pool while `pool` meets the SLO (set on the tier an
+    easy request is placed with, so it runs on the small model while that keeps up)."""
+    difficulty_routing: bool = False
+    """Whether `model: auto` requests of this tier may go to the small model when the
+    difficulty router finds them easy (policies/model_routing.py)."""
     deadline_s: float | None = Field(default=None, gt=0)
     """Longest a request of this tier may run, from arrival; past it the request is aborted
     and the client told (408, or an error event on a stream). None: only the app's

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 from deployments.pool import ReplicaStats
 from engine.config import EngineConfig
+from engine.distill.registry import STUDENT_MODEL, latest_student
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import DEFAULT_URGENCY, Urgency
 from engine.sampling_params import SamplingParams
@@ -54,6 +55,8 @@ class FakeEngine:
     """True: `stats()` raises, as for an engine whose load nobody can read."""
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.model == STUDENT_MODEL:  # as the real loader: no student yet, no engine
+            latest_student(config.cache_dir)
         self.tokenizer = FakeTokenizer()
         self.max_model_len = config.max_model_len or 256
         self._max_num_seqs = config.max_num_seqs

@@ -35,7 +35,8 @@ def test_serve_config_and_app_args_validate(target: str) -> None:
     (app,) = serve_config["applications"]
     assert app["import_path"] == "app.builder:app_builder"
     config = TierserveConfig.model_validate(app["args"])
-    assert {p.name for p in config.pools} == {"interactive", "offline"}
+    small = {"small"} if target == "local" else set()  # the distilled model: local.yaml's
+    assert {p.name for p in config.pools} == {"interactive", "offline", *small}
     assert {t.name for t in config.tiers} == {"interactive", "standard", "batch"}
 
 
@@ -97,6 +98,26 @@ def _args(**changes: object) -> dict:
 def test_bad_config_fails_with_a_useful_message(changes: dict, message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         TierserveConfig.model_validate(_args(**changes))
+
+
+@pytest.mark.parametrize(
+    ("pool", "message"),
+    [
+        ("nope", "small_model.pool 'nope' is not a pool"),
+        ("interactive", "must not be a tier's pool"),
+    ],
+)
+def test_the_small_model_must_be_a_pool_of_its_own(pool: str, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        TierserveConfig.model_validate(_args(small_model={"pool": pool}))
+
+
+def test_the_small_pool_must_serve_another_model() -> None:
+    args = _args()
+    small = next(p for p in args["pools"] if p["name"] == "small")
+    small["model_name"] = args["model_name"]
+    with pytest.raises(ValidationError, match="a model other than the default"):
+        TierserveConfig.model_validate(args)
 
 
 def test_engine_settings_use_the_engines_own_validation() -> None:

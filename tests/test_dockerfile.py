@@ -90,6 +90,8 @@ def test_build_context_keeps_the_code_and_data_and_drops_the_rest() -> None:
         "engine/kernels/paged_attention.c",
         "data/quality_prompts.jsonl",  # AWQ calibration for the offline pool
         "configs/local.yaml",
+        "configs/router.json",  # the difficulty router the app is built with
+        "data/route/distill.jsonl",  # what `tierserve distill` teaches on
     ]
     for path in needed:
         assert (REPO_ROOT / path).exists(), path

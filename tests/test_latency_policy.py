@@ -101,6 +101,14 @@ def test_cheapest_pool_meeting_the_slo_wins():
     assert (decision.pool, decision.reason) == ("bulk", "slo")
 
 
+def test_a_tier_kept_to_its_pool_stays_there_while_it_meets_the_slo():
+    kept = STANDARD.model_copy(update={"keep_to_pool": True})  # an easy request on "fast"
+    pools = {"fast": pool("fast", price=3.0), "bulk": pool("bulk", max_num_seqs=64, price=1.0)}
+    assert place(kept, RequestShape(50, 64), pools).pool == "fast"
+    pools["fast"] = pool("fast", decoding(1, 4), max_queued=0, price=3.0)  # full: overflow
+    assert place(kept, RequestShape(50, 64), pools).pool == "bulk"
+
+
 def test_standard_is_downgraded_when_no_pool_meets_its_slo():
     slow = StepCost(base_s=0.2, per_seq_s=0.0, per_token_s=0.0)  # every step 200 ms > 60 ms TPOT
     pools = {n: PoolState(n, 1, 4, 256, slow, max_queued=4) for n in ("fast", "bulk")}

@@ -4,12 +4,14 @@ sends, over a fake engine."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from fakes import FakeEngine
 
 from deployments.pool import Pool, PoolRequest
 from engine.config import EngineConfig
+from engine.distill.registry import CARD_FILE, students_dir
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -89,3 +91,20 @@ def test_joined_deltas_without_logprobs_have_none() -> None:
     a = RequestOutput("r", [1], "a", finished=False, num_output_tokens=1)
     b = RequestOutput("r", [2], "b", finished=False, num_output_tokens=2)
     assert a.then(b).new_logprobs is None
+
+
+def test_a_pool_of_a_missing_student_waits_then_serves(tmp_path) -> None:
+    config = EngineConfig(model="student", cache_dir=tmp_path)
+    waiting = Pool.func_or_class(config, FakeEngine)
+    waiting.check_health()  # waiting is healthy: Serve must not replace it
+    assert waiting.record_routing_stats()["num_running"] == 0
+    with pytest.raises(RuntimeError, match="no distilled student yet: run `make distill`"):
+        _deltas(waiting, stream=True)
+
+    folder = students_dir(tmp_path) / "student-v1"  # what `tierserve distill` publishes
+    folder.mkdir(parents=True)
+    (folder / CARD_FILE).write_text("{}")
+    deadline = time.monotonic() + 20
+    while waiting._engine is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [d.new_text for d in _deltas(waiting, stream=True)] == ["a", "b", "c", "d", "e"]

@@ -18,6 +18,7 @@ from app.config import TierserveConfig, load_config
 from deployments.config import ApiKeyConfig, GatewayConfig
 
 MODEL = "SmolLM2-135M-Instruct"
+SMALL_MODEL = "SmolLM2-student"
 KEY = "test-key"
 
 
@@ -274,7 +275,7 @@ def test_rate_limit_answers_429_with_retry_after(base_url: str) -> None:
 
 
 def test_models_health_and_metrics(base_url: str, client: openai.OpenAI) -> None:
-    assert [m.id for m in client.models.list()] == [MODEL]
+    assert [m.id for m in client.models.list()] == [MODEL, SMALL_MODEL]
     assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
     _chat(client, max_tokens=2, extra_headers={"X-SLA-Tier": "interactive"})
     assert httpx.get(f"{base_url}/metrics").status_code == 401  # keys are required here

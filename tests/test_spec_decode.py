@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
 
 from engine.config import EngineConfig, SpecDecodeConfig
+from engine.distill.registry import latest_student
 from engine.engine import LLMEngine
 from engine.model.chat import chat_prompt_ids
 from engine.outputs import EngineStats
@@ -499,3 +501,34 @@ def test_speculator_skips_requests_it_cannot_verify_exactly():
     assert drafts[plain] == [3, 1, 2]
     assert drafts[near_end] == [3]
     assert drafts[penalised] == drafts[min_tokens] == drafts[prefilling] == []
+
+
+# ---- the distilled student as the draft: the distribution, end to end ----------
+
+
+def test_student_draft_keeps_the_target_distribution(tiny_student_cache):
+    """Sampled through the engine with the student proposing drafts, the first verified
+    token (the second output) follows the target's own distribution given the first."""
+    student = str(latest_student(tiny_student_cache))
+    spec = SpecDecodeConfig(method="draft", num_speculative_tokens=3, draft_model=student)
+    wide = dict(BASE_CONFIG, max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=512)
+    engine = LLMEngine(EngineConfig(**wide, spec_decode=spec))  # 64 at once: many samples
+    # "Hello" first ~40% of the time; then four tokens at 0.35, 0.35, 0.24 and 0.07.
+    prompt = chat_prompt_ids(engine.tokenizer, "Say hello.")
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True)
+    requests = {f"s{seed}": (prompt, replace(params, seed=seed)) for seed in range(400)}
+    before = engine.stats()
+    outputs = run_all(engine, requests)
+    delta = stats_delta(before, engine.stats())
+    assert delta["spec_num_drafts"] > 0, "the student never drafted"
+    assert delta["spec_num_accepted_tokens"] < delta["spec_num_draft_tokens"], "no rejection"
+
+    firsts = [tokens[0] for tokens in outputs.values()]
+    first = max(set(firsts), key=firsts.count)
+    seconds = torch.tensor([tokens[1] for tokens in outputs.values() if tokens[0] == first])
+    assert len(seconds) >= 120, "the prompt should make one first token likely"
+    with torch.no_grad():
+        logits = engine.model.compute_logits_dense(torch.tensor(prompt + [first]))[-1]
+    probs = probs_for(logits.float(), params)
+    counts = torch.bincount(seconds, minlength=probs.numel()).float()
+    assert chi2_passes(counts, probs)

@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
+from engine.distill.registry import STUDENT_MODEL, latest_student
 from engine.model.llama import LlamaForCausalLM, ModelArgs
 
 DEFAULT_MODEL = "default"
@@ -58,16 +59,20 @@ def default_gguf_path() -> Path:
 
 
 def resolve_model_dir(model: str, cache_dir: Path) -> Path:
-    """Return an HF folder for `model`, converting a GGUF file into the cache once."""
+    """Return an HF folder for `model`, converting a GGUF file into the cache once.
+    `student` is the newest distilled student (registry.StudentMissing when none is)."""
     if model == DEFAULT_MODEL:
         return converted_gguf_dir(default_gguf_path(), cache_dir)
+    if model == STUDENT_MODEL:
+        return latest_student(cache_dir)
     path = Path(model).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return converted_gguf_dir(path, cache_dir)
     if (path / "config.json").is_file():
         return path
     raise ValueError(
-        f"model {model!r} is neither 'default', a .gguf file, nor a folder with config.json"
+        f"model {model!r} is neither 'default', 'student', a .gguf file, nor a folder with "
+        "config.json"
     )
 
 

@@ -1,0 +1,66 @@
+"""A pool of the distilled student, before any student exists: wait, optionally distilling.
+
+`make serve` on a fresh machine must come up as fast as without a small model,
+so a small-pool replica does not fail when the student is missing: it reports
+itself unavailable (the ingress then routes nothing to it and says why in
+/health), starts `tierserve distill` in the background when its pool asks for
+that, and loads the student once it is published.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from engine.distill.registry import student_versions, students_dir
+
+log = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 2.0
+"""How often the cache is checked for a published student (a directory listing)."""
+
+
+def waiting_reason(cache_dir: Path, distilling: bool) -> str:
+    """What the pool reports while it waits."""
+    if distilling:
+        log_file = _log_path(cache_dir)
+        return f"no distilled student yet: distilling in the background (log: {log_file})"
+    return "no distilled student yet: run `make distill` (or `tierserve distill`)"
+
+
+def wait_for_student(cache_dir: Path, distill: bool) -> None:
+    """Return once a student is published in `cache_dir` (blocking: run it in a thread);
+    with `distill`, first start a background distillation at the lowest CPU priority, so
+    serving keeps its cores. If that fails, the wait goes on: a manual
+    `tierserve distill` still brings the pool up."""
+    process = _start_distillation(cache_dir) if distill else None
+    while not student_versions(cache_dir):
+        if process is not None and process.poll() is not None:
+            log.error(
+                "background distillation exited with %s (see %s); waiting for a manual "
+                "`tierserve distill`", process.returncode, _log_path(cache_dir),
+            )  # fmt: skip
+            process = None
+        time.sleep(POLL_INTERVAL_S)
+    if process is not None:
+        process.wait()
+
+
+def _start_distillation(cache_dir: Path) -> subprocess.Popen[bytes]:
+    """`tierserve distill` in a child process at nice 19, logging to the cache."""
+    path = _log_path(cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "app.cli", "distill", "--quiet", "--cache-dir", str(cache_dir)]
+    log.warning("no distilled student in %s: distilling in the background, log %s", cache_dir, path)
+    with open(path, "ab") as output:
+        return subprocess.Popen(
+            command, stdout=output, stderr=output, preexec_fn=lambda: os.nice(19)
+        )
+
+
+def _log_path(cache_dir: Path) -> Path:
+    return students_dir(cache_dir) / "distill.log"

@@ -1,0 +1,369 @@
+"""The small-model router: prompt features, fitting, calibration, saved models, evaluation."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.difficulty import (
+    CUES,
+    FEATURE_NAMES,
+    MAX_CHARS,
+    MAX_WORD_LENGTH,
+    DifficultyModel,
+    auc_gain,
+    calibrate_threshold,
+    fit_difficulty_model,
+    prompt_features,
+    quality_curve,
+    random_curve,
+    roc_auc,
+)
+
+SHARES = [i / 20 for i in range(1, 20)]
+FLAGS = {"arithmetic", "multiple_choice", *CUES}
+UNIT_SHARES = {"digit_share", "type_token_ratio", "repeated_bigram_share"}
+TOPICS = ["photosynthesis", "inflation", "plate tectonics", "the halting problem", "tides"]
+VOCABULARY = (
+    "energy market theory evidence pressure model system history argument cause effect "
+    "boundary structure process memory signal network policy growth limit proof claim"
+)
+
+
+def _assert_bounded(features: dict[str, float]) -> None:
+    assert tuple(features) == FEATURE_NAMES
+    assert all(math.isfinite(v) for v in features.values())
+    for name, value in features.items():
+        if name in FLAGS:
+            assert value in (0.0, 1.0), name
+        elif name in UNIT_SHARES:
+            assert 0.0 <= value <= 1.0, name
+        elif name == "mean_word_length":
+            assert 0.0 <= value <= MAX_WORD_LENGTH
+        else:  # logarithms of capped counts
+            assert 0.0 <= value <= 25.0, name
+
+
+def test_features_are_named_in_order_and_deterministic() -> None:
+    text = "What is 3 + 4? Explain why, step by step."
+    first = prompt_features(text, 12, 64)
+    assert tuple(first) == FEATURE_NAMES
+    assert first == prompt_features(text, 12, 64)
+    assert first["log_prompt_tokens"] == pytest.approx(math.log1p(12))
+    assert first["log_max_tokens"] == pytest.approx(math.log1p(64))
+    assert prompt_features(text, 12, None)["log_max_tokens"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", " \n\t ", "a" * 1_000_000, "漢字 é 🙂 مرحبا " * 500, "\x00\ud800", "1" * 9000, "?" * 9000],
+)
+@pytest.mark.parametrize(("tokens", "max_tokens"), [(0, None), (-5, -1), (10**30, 10**30)])
+def test_features_are_finite_and_bounded_on_odd_input(
+    text: str, tokens: int, max_tokens: int | None
+) -> None:
+    _assert_bounded(prompt_features(text, tokens, max_tokens))
+
+
+def test_only_the_first_max_chars_are_read() -> None:
+    head = ("Explain why the tides rise. " * 400)[:MAX_CHARS]
+    tail = " Write a poem with 1 + 2 and options (a) or (b)." * 100
+    assert prompt_features(head + tail, 100, 10) == prompt_features(head, 100, 10)
+
+
+@pytest.mark.parametrize(
+    ("text", "feature"),
+    [
+        ("What is the capital of France?", "cue_factual"),
+        ("Who painted this\nwhat\nis it", "cue_factual"),
+        ("Explain why the sky is blue, step-by-step.", "cue_reasoning"),
+        ("Write a short poem about rain.", "cue_generation"),
+        ("Summarize the text below.", "cue_transform"),
+        ("What is 17 + 25?", "arithmetic"),
+        ("Compute nine times eight", "arithmetic"),
+        ("Pick one: (a) red (b) blue", "multiple_choice"),
+        ("Colour?\nA) red\nB) blue", "multiple_choice"),
+    ],
+)
+def test_cues_are_found(text: str, feature: str) -> None:
+    assert prompt_features(text, 10, 10)[feature] == 1.0
+
+
+def test_no_cue_in_plain_text() -> None:
+    features = prompt_features("Somewhat isolated, the year 2024 was calm (mostly).", 10, 10)
+    assert all(features[name] == 0.0 for name in FLAGS)
+
+
+def test_word_shape_features() -> None:
+    features = prompt_features("copy this copy this copy this", 6, None)
+    assert features["type_token_ratio"] == pytest.approx(2 / 6)
+    assert features["repeated_bigram_share"] == pytest.approx(1 - 2 / 5)  # 5 bigrams, 2 kinds
+    assert features["mean_word_length"] == pytest.approx(4.0)
+    assert features["digit_share"] == 0.0
+    assert prompt_features("ab 12", 2, None)["digit_share"] == pytest.approx(2 / 5)
+
+
+@settings(deadline=None, max_examples=150)
+@given(st.text(), st.integers(), st.one_of(st.none(), st.integers()))
+def test_features_never_raise_and_stay_finite(
+    text: str, tokens: int, max_tokens: int | None
+) -> None:
+    _assert_bounded(prompt_features(text, tokens, max_tokens))
+
+
+def _prompt(rng: random.Random, easy: bool) -> str:
+    a, b = rng.randint(2, 999), rng.randint(2, 999)
+    if easy:
+        return rng.choice([f"What is {a} plus {b}?", f"Compute {a} * {b}.", f"What is {a} - {b}?"])
+    words = " ".join(rng.choices(VOCABULARY.split(), k=rng.randint(30, 120)))
+    topic, other = rng.sample(TOPICS, 2)
+    return f"Explain why {topic} matters, step by step. {words}. Compare it with {other}."
+
+
+def _synthetic(seed: int, n: int) -> tuple[list[dict[str, float]], list[int]]:
+    """Easy (short arithmetic) prompts the small model gets right, hard (long 'explain why')
+    ones it gets wrong, each outcome flipped 5% of the time."""
+    rng = random.Random(seed)
+    rows, labels = [], []
+    for _ in range(n):
+        easy = rng.random() < 0.5
+        text = _prompt(rng, easy)
+        max_tokens = rng.choice([None, 64, 256, 1024])
+        rows.append(prompt_features(text, len(text) // 4, max_tokens))
+        labels.append(int(easy != (rng.random() < 0.05)))
+    return rows, labels
+
+
+@pytest.fixture(scope="module")
+def trained() -> tuple[DifficultyModel, list[dict[str, float]], list[int]]:
+    rows, labels = _synthetic(seed=0, n=600)
+    return fit_difficulty_model(rows, labels, target_share=0.4), rows, labels
+
+
+def test_router_ranks_held_out_prompts_and_beats_random(trained) -> None:
+    model, _, _ = trained
+    rows, labels = _synthetic(seed=1, n=400)
+    scores = [model.score(row) for row in rows]
+    assert roc_auc(scores, labels) > 0.85
+    default = [1.0] * len(labels)
+    router = quality_curve(scores, labels, default, SHARES)
+    chance = random_curve(labels, default, SHARES)
+    assert all(r >= c for r, c in zip(router, chance, strict=True))
+    assert auc_gain(SHARES, router, chance) > 0.05
+
+
+def test_fit_hits_its_target_share_and_converges(trained) -> None:
+    model, rows, labels = trained
+    routed = sum(model.routes_to_small(row) for row in rows)
+    assert abs(routed - 0.4 * len(rows)) <= 1
+    assert model.target_share == 0.4
+    longer = fit_difficulty_model(rows, labels, target_share=0.4, steps=500)
+    assert longer.weights == pytest.approx(model.weights, abs=1e-8)
+    assert fit_difficulty_model(rows, labels, target_share=0.4) == model  # deterministic
+
+
+def test_fit_is_fast_on_a_few_thousand_rows() -> None:
+    rows, labels = _synthetic(seed=2, n=3000)
+    start = time.perf_counter()
+    fit_difficulty_model(rows, labels, target_share=0.3)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_fit_with_share_zero_routes_nothing(trained) -> None:
+    _, rows, labels = trained
+    model = fit_difficulty_model(rows, labels, target_share=0.0)
+    assert model.threshold == math.inf
+    assert not any(model.routes_to_small(row) for row in rows)
+
+
+@pytest.mark.parametrize(
+    ("num_rows", "labels", "kwargs", "message"),
+    [
+        (1, [1], {}, "at least 2 rows"),
+        (3, [1, 1, 1], {}, "nothing to learn"),
+        (3, [0, 1, 2], {}, r"labels must be in \[0, 1\]"),
+        (3, [0, 1], {}, "3 rows but 2 labels"),
+        (3, [0, 1, 0], {"target_share": 1.5}, "share"),
+        (3, [0, 1, 0], {"l2": 0.0}, "l2"),
+    ],
+)
+def test_fit_rejects_degenerate_input(
+    num_rows: int, labels: list[float], kwargs: dict, message: str
+) -> None:
+    rows = [prompt_features("word " * (i + 1), i + 1, None) for i in range(num_rows)]
+    with pytest.raises(ValueError, match=message):
+        fit_difficulty_model(rows, labels, **{"target_share": 0.5, **kwargs})
+
+
+def test_fit_rejects_rows_without_a_feature() -> None:
+    rows = [prompt_features("a", 1, None), {"log_words": 1.0}]
+    with pytest.raises(ValueError, match="lacks feature"):
+        fit_difficulty_model(rows, [0, 1], target_share=0.5)
+
+
+@pytest.mark.parametrize("share", [0.01, 0.1, 0.25, 0.5, 0.73, 0.99])
+def test_calibration_hits_the_share_within_one_row(share: float) -> None:
+    rng = random.Random(3)
+    scores = [rng.random() for _ in range(1000)]
+    threshold = calibrate_threshold(scores, share)
+    assert abs(sum(s >= threshold for s in scores) - share * len(scores)) <= 1
+
+
+def test_calibration_moves_ties_together() -> None:
+    scores = [0.5] * 4 + [0.9] * 2 + [0.1] * 4  # reachable counts: 0, 2, 6, 10
+    assert calibrate_threshold(scores, 0.3) == 0.9  # 2 rows is closer to 3 than 6 is
+    assert calibrate_threshold(scores, 0.5) == 0.5  # 6 rows
+    assert calibrate_threshold(scores, 0.4) == 0.9  # 2 and 6 equally close: the smaller
+    assert calibrate_threshold([0.7] * 5, 0.5) == math.inf  # 0 and 5 rows equally close
+
+
+def test_calibration_at_zero_and_one() -> None:
+    scores = [0.2, 0.4, 0.6]
+    assert calibrate_threshold(scores, 0.0) == math.inf
+    assert calibrate_threshold(scores, 1.0) == -math.inf  # also below every score seen
+
+
+@pytest.mark.parametrize(("scores", "share"), [([], 0.5), ([0.1], -0.1), ([math.nan], 0.5)])
+def test_calibration_rejects_bad_input(scores: list[float], share: float) -> None:
+    with pytest.raises(ValueError):
+        calibrate_threshold(scores, share)
+
+
+def test_saved_model_loads_with_identical_scores(trained, tmp_path: Path) -> None:
+    model, rows, _ = trained
+    path = tmp_path / "router.json"
+    model.save(path)
+    loaded = DifficultyModel.load(path)
+    assert loaded == model
+    assert [loaded.score(r) for r in rows] == [model.score(r) for r in rows]
+
+
+def test_infinite_threshold_is_saved_as_strict_json(trained, tmp_path: Path) -> None:
+    model = replace(trained[0], threshold=math.inf, target_share=0.0)
+    path = tmp_path / "router.json"
+    model.save(path)
+
+    def no_constants(name: str) -> None:
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    assert json.loads(path.read_text(), parse_constant=no_constants)["threshold"] == "inf"
+    assert DifficultyModel.load(path).threshold == math.inf
+
+
+def _without(data: dict, name: str) -> dict:
+    i = data["feature_names"].index(name)
+    return {
+        **data,
+        **{k: [v for j, v in enumerate(data[k]) if j != i] for k in ("weights", "means", "scales")},
+        "feature_names": [n for n in data["feature_names"] if n != name],
+    }
+
+
+def test_a_file_with_other_features_is_rejected_naming_them(trained) -> None:
+    data = trained[0].to_dict()
+    with pytest.raises(ValueError, match=r"missing \['digit_share'\]"):
+        DifficultyModel.from_dict(_without(data, "digit_share"))
+    renamed = {**data, "feature_names": ["shiny", *data["feature_names"][1:]]}
+    with pytest.raises(ValueError, match=r"missing \['log_prompt_tokens'\], unexpected \['shiny'"):
+        DifficultyModel.from_dict(renamed)
+    swapped = {**data, "feature_names": [*data["feature_names"][1::-1], *FEATURE_NAMES[2:]]}
+    with pytest.raises(ValueError, match="another order"):
+        DifficultyModel.from_dict(swapped)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"version": 2}, "version 2, expected 1"),
+        ({"version": None}, "version None"),
+        ({"bias": None}, "malformed"),
+        ({"weights": [1.0]}, "weights, means and scales"),
+        ({"threshold": "nan"}, "NaN"),
+        ({"scales": [0.0] * len(FEATURE_NAMES)}, "positive"),
+        ({"target_share": 2.0}, "share"),
+    ],
+)
+def test_a_malformed_file_is_rejected(trained, change: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DifficultyModel.from_dict({**trained[0].to_dict(), **change})
+
+
+def test_a_file_that_is_not_a_model_is_rejected(trained, tmp_path: Path) -> None:
+    path = tmp_path / "router.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not JSON"):
+        DifficultyModel.load(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        DifficultyModel.load(path)
+    data = trained[0].to_dict()
+    del data["bias"]
+    with pytest.raises(ValueError, match="malformed"):
+        DifficultyModel.from_dict(data)
+
+
+def test_scoring_a_prompt_costs_well_under_2_ms(trained) -> None:
+    model, _, _ = trained
+    text = ("Explain why 12 + 7 = 19, step by step; (a) yes (b) no. Write it down! " * 40)[:2000]
+    model.routes_to_small(prompt_features(text, 500, 256))  # warm
+    calls = 1000
+    start = time.perf_counter()
+    for _ in range(calls):
+        model.routes_to_small(prompt_features(text, 500, 256))
+    assert (time.perf_counter() - start) / calls < 2e-3
+
+
+def test_score_is_a_probability_even_far_from_the_data(trained) -> None:
+    model = replace(trained[0], weights=tuple(1e6 for _ in FEATURE_NAMES))
+    far = dict.fromkeys(FEATURE_NAMES, 1e6)
+    assert model.score(far) == 1.0
+    assert model.score(dict.fromkeys(FEATURE_NAMES, -1e6)) == 0.0
+
+
+def test_quality_curve_by_hand() -> None:
+    scores, small, default = [0.9, 0.1, 0.5], [1.0, 0.0, 0.5], [1.0, 1.0, 1.0]
+    # By score: prompt 0 (loses 0), prompt 2 (loses 0.5), prompt 1 (loses 1); total 3.
+    curve = quality_curve(scores, small, default, [0.0, 1 / 6, 1 / 3, 0.5, 2 / 3, 1.0])
+    assert curve == pytest.approx([1.0, 1.0, 1.0, 2.75 / 3, 2.5 / 3, 1.5 / 3])
+    assert random_curve(small, default, [0.0, 0.5, 1.0]) == pytest.approx([1.0, 2.25 / 3, 0.5])
+
+
+def test_tied_scores_are_worth_random_routing() -> None:
+    small, default = [1.0, 0.0, 0.0, 1.0, 0.5], [1.0, 1.0, 0.5, 1.0, 1.0]
+    tied = quality_curve([0.3] * 5, small, default, SHARES)
+    assert tied == pytest.approx(random_curve(small, default, SHARES))
+    assert auc_gain(SHARES, tied, random_curve(small, default, SHARES)) == pytest.approx(0.0)
+
+
+def test_quality_curves_reject_bad_input() -> None:
+    with pytest.raises(ValueError, match="sums to 0"):
+        quality_curve([0.1, 0.2], [1.0, 1.0], [0.0, 0.0], [0.5])
+    with pytest.raises(ValueError, match="sums to 0"):
+        random_curve([], [], [0.5])
+    with pytest.raises(ValueError, match="qualities"):
+        quality_curve([0.1], [1.0, 1.0], [1.0, 1.0], [0.5])
+    with pytest.raises(ValueError, match="share"):
+        random_curve([1.0], [1.0], [1.5])
+
+
+def test_auc_gain_by_hand() -> None:
+    assert auc_gain([0.0, 0.5, 1.0], [1.0, 1.0, 0.5], [1.0, 0.75, 0.5]) == pytest.approx(0.125)
+    with pytest.raises(ValueError, match="increasing"):
+        auc_gain([0.5, 0.0], [1.0, 1.0], [1.0, 1.0])
+
+
+def test_roc_auc() -> None:
+    assert roc_auc([0.1, 0.2, 0.8, 0.9], [0, 0, 1, 1]) == 1.0
+    assert roc_auc([0.1, 0.2, 0.8, 0.9], [1, 1, 0, 0]) == 0.0
+    assert roc_auc([0.5] * 4, [0, 1, 0, 1]) == 0.5
+    assert roc_auc([0.1, 0.4, 0.4, 0.8], [0, 1, 0, 1]) == pytest.approx(3.5 / 4)
+    with pytest.raises(ValueError, match="both"):
+        roc_auc([0.1, 0.2], [1, 1])
