@@ -31,10 +31,13 @@ WAIT_S = 120
 
 
 def multinode_config() -> TierserveConfig:
-    """The fake-engine config with each pool bound to its node's custom resource."""
+    """The fake-engine config with each of POOLS bound to its node's custom resource (the
+    small pool, routed to by model rather than tier, runs anywhere)."""
     base = fake_config()
     pools = tuple(
         p.model_copy(update={"resources": {f"pool_{p.name}": 1.0}, "autoscaling": None})
+        if p.name in POOLS
+        else p
         for p in base.pools
     )
     return base.model_copy(update={"pools": pools})
