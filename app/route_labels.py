@@ -100,15 +100,11 @@ def greedy_answers(
     engine: LLMEngine, prompts: Sequence[list[int]], max_tokens: Sequence[int]
 ) -> list[list[int]]:
     """Each prompt's greedy answer, all queued at once (continuous batching)."""
-    for index, (prompt, limit) in enumerate(zip(prompts, max_tokens, strict=True)):
-        engine.add_request(
-            f"answer-{index}", prompt, SamplingParams(max_tokens=limit, temperature=0.0)
-        )
-    answers: dict[str, list[int]] = {f"answer-{i}": [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for output in engine.step():
-            answers[output.request_id] += output.new_token_ids
-    return [answers[f"answer-{i}"] for i in range(len(prompts))]
+    requests = [
+        (prompt, SamplingParams(max_tokens=limit, temperature=0.0))
+        for prompt, limit in zip(prompts, max_tokens, strict=True)
+    ]
+    return [[t for d in deltas for t in d.new_token_ids] for deltas in engine.run_all(requests)]
 
 
 def mean_logprobs(
@@ -117,16 +113,11 @@ def mean_logprobs(
     """The engine's mean log-probability per token of each answer after its prompt
     (-inf for an empty answer): scored as an echoed prompt, one step of prefill."""
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    for index, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
-        engine.add_request(f"score-{index}", prompt + answer, params)
-    scored: dict[str, list] = {}
-    while engine.has_unfinished():
-        for output in engine.step():
-            if output.prompt_logprobs is not None:
-                scored[output.request_id] = output.prompt_logprobs
+    pairs = list(zip(prompts, answers, strict=True))
+    outputs = engine.run_all([(prompt + answer, params) for prompt, answer in pairs])
     means = []
-    for index, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
-        tail = scored[f"score-{index}"][len(prompt) :]
-        values = [entry.logprob for entry in tail if entry is not None]
+    for (prompt, answer), deltas in zip(pairs, outputs, strict=True):
+        scored = next(d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None)
+        values = [entry.logprob for entry in scored[len(prompt) :] if entry is not None]
         means.append(sum(values) / len(values) if answer and values else -math.inf)
     return means

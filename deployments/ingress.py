@@ -212,10 +212,7 @@ class Ingress:
             for name in self._pools
             if (reason := self._monitor.unavailable_reason(name)) is not None
         }
-        down = [
-            name for name in self._pools if not self._monitor.replica_stats(name)
-            and name not in waiting
-        ]  # fmt: skip
+        down = [n for n in self._pools if not self._monitor.replica_stats(n) and n not in waiting]
         details: dict[str, Any] = {"unavailable": waiting} if waiting else {}
         if down:
             body = {"status": "degraded", "pools_down": down, **details}

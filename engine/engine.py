@@ -14,6 +14,7 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
@@ -172,6 +173,25 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         """Anything queued or running: whether `step()` has work."""
         return self.scheduler.has_unfinished()
+
+    def run_all(
+        self,
+        requests: Sequence[tuple[list[int], SamplingParams]],
+        on_finish: Callable[[], None] = lambda: None,
+    ) -> list[list[RequestOutput]]:
+        """Offline use (distillation, labelling): queue every (prompt, params) at once, step
+        until all finish, and return each request's deltas in order. `on_finish` is called
+        as each request ends (a progress bar)."""
+        deltas: dict[str, list[RequestOutput]] = {}
+        for index, (prompt, params) in enumerate(requests):
+            self.add_request(f"offline-{index}", prompt, params)
+            deltas[f"offline-{index}"] = []
+        while self.has_unfinished():
+            for output in self.step():
+                deltas[output.request_id].append(output)
+                if output.finished:
+                    on_finish()
+        return list(deltas.values())
 
     # ---- the step ------------------------------------------------------------
 

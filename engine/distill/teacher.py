@@ -40,15 +40,8 @@ def teacher_examples(
     batch full. `on_finish` is called once per finished answer (a progress bar).
     """
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=top_k)
-    for index, prompt in enumerate(prompts):
-        engine.add_request(f"teacher-{index}", list(prompt), params)
-    answers: dict[str, list[RequestOutput]] = {f"teacher-{i}": [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for output in engine.step():
-            answers[output.request_id].append(output)
-            if output.finished:
-                on_finish()
-    return [_example(prompt, answers[f"teacher-{i}"]) for i, prompt in enumerate(prompts)]
+    answers = engine.run_all([(list(prompt), params) for prompt in prompts], on_finish)
+    return [_example(prompt, deltas) for prompt, deltas in zip(prompts, answers, strict=True)]
 
 
 def _example(prompt: list[int], deltas: list[RequestOutput]) -> Example:

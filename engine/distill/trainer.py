@@ -147,10 +147,9 @@ def _step(student: PreTrainedModel, optimizer: torch.optim.Optimizer, batch: Bat
 
 
 def _trainable(student: PreTrainedModel) -> list[torch.nn.Parameter]:
-    """Every block and norm; the embeddings (tied to the head) stay the teacher's, which
-    keeps the student's tokens meaning what the teacher's do and saves their gradient."""
-    embeddings = student.get_input_embeddings().weight
-    return [p for p in student.parameters() if p is not embeddings]
+    """Every block and norm: `train` froze the embeddings (tied to the head), which keeps
+    the student's tokens meaning what the teacher's do and saves their gradient."""
+    return [p for p in student.parameters() if p.requires_grad]
 
 
 def _spent(progress: Progress, settings: TrainSettings) -> bool:
