@@ -55,10 +55,20 @@ class QuantConfig:
     method: str = "rtn"
     """`rtn` (round to nearest) or `awq` (activation-aware scaling)."""
     quantize_lm_head: bool = False
+    activations: str = "float"
+    """`float`: weight-only (activations stay in the model's dtype). `int8`, with INT4
+    weights on a CPU: each layer quantizes its input per row and group to int8 and runs
+    integer dot products (W4A8, engine/kernels/w4a8.c), where the kernel builds."""
 
     def __post_init__(self) -> None:
         if self.scheme not in ("int8", "int4"):
             raise ValueError(f"quant.scheme must be 'int8' or 'int4', got {self.scheme!r}")
+        if self.activations not in ("float", "int8"):
+            raise ValueError(
+                f"quant.activations must be 'float' or 'int8', got {self.activations!r}"
+            )
+        if self.activations == "int8" and self.scheme != "int4":
+            raise ValueError("quant.activations 'int8' needs quant.scheme 'int4' (W4A8)")
         if self.method not in ("rtn", "awq"):
             raise ValueError(f"quant.method must be 'rtn' or 'awq', got {self.method!r}")
         if self.group_size not in (32, 64, 128):

@@ -6,8 +6,11 @@ then one process holds all variants and times batch-1 greedy decoding and 64
 concurrent requests, round-robin, keeping each variant's best round. Ratios
 are variant / bf16 (bigger is better); weight bytes count the decoder's
 linear layers (the lm_head is tied to the embedding and stays bf16).
+`bf16` names the unquantized model in the engine's own dtype: bf16 on a CPU with
+native bf16 kernels, fp32 on the others (an AVX2-only CPU); the JSON's `dtype` says
+which. `int4_a8` is INT4 with int8 activations (W4A8, engine/kernels/w4a8.c).
 
-    python -m load.bench_quant [--quick] [--variants bf16,int8,int4]
+    python -m load.bench_quant [--quick] [--variants bf16,int8,int4,int4_a8]
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ VARIANTS: dict[str, QuantConfig | None] = {
     "bf16": None,
     "int8": QuantConfig("int8"),
     "int4": QuantConfig("int4", 64, "awq"),
+    "int4_a8": QuantConfig("int4", 64, "awq", activations="int8"),
 }
 CONCURRENCY = 64
 LINEARS = (torch.nn.Linear, QuantLinear, PackedLinear)
@@ -179,8 +183,10 @@ def main() -> None:
         results[variant] = run_child("--memory", variant, args.threads) or {}
     for variant, speed in measure_speed(variants, args.quick, args.threads).items():
         results[variant].update(speed)
-    common = {"threads": args.threads, "dtype": "bfloat16", "model": "default", "quick": args.quick,
-              "int4": "g64 awq", "concurrency": CONCURRENCY}  # fmt: skip
+    dtype = str(EngineConfig().torch_dtype).removeprefix("torch.")
+    common = {"threads": args.threads, "dtype": dtype, "model": "default", "quick": args.quick,
+              "int4": "g64 awq", "int4_a8": "g64 awq, int8 activations (W4A8)",
+              "concurrency": CONCURRENCY}  # fmt: skip
     report(results, common)
 
 

@@ -31,6 +31,7 @@ from engine.config import EngineConfig, QuantConfig
 from engine.model.chat import chat_prompt_ids
 from engine.model.loader import load_model, resolve_model_dir
 from engine.quant.awq import DEFAULT_CALIBRATION_PATH, calibration_token_ids
+from engine.quant.linear import switch_to_w4a8
 from engine.quant.prepare import quantize_model
 from load.report import emit
 
@@ -41,10 +42,11 @@ SCHEMES: dict[str, QuantConfig] = {
     "int4_g32_awq": QuantConfig("int4", 32, "awq"),
     "int4_g64_rtn": QuantConfig("int4", 64, "rtn"),
     "int4_g64_awq": QuantConfig("int4", 64, "awq"),
+    "int4_g64_awq_a8": QuantConfig("int4", 64, "awq", activations="int8"),
     "int4_g128_rtn": QuantConfig("int4", 128, "rtn"),
     "int4_g128_awq": QuantConfig("int4", 128, "awq"),
 }
-QUICK_SCHEMES = ("int8", "int4_g64_rtn", "int4_g64_awq")
+QUICK_SCHEMES = ("int8", "int4_g64_rtn", "int4_g64_awq", "int4_g64_awq_a8")
 QUICK_PROMPTS = 16
 REFERENCE_TOKENS = 40
 NOTES = {
@@ -52,6 +54,7 @@ NOTES = {
     "int4_g128_awq": "layers with K=576 use group 64 (576 % 128 != 0)",
     "int4_g32_rtn": "weights come from a Q4_1 (g32) GGUF: g32 looks unrealistically good",
     "int4_g32_awq": "weights come from a Q4_1 (g32) GGUF: g32 looks unrealistically good",
+    "int4_g64_awq_a8": "W4A8: activations quantized to int8 per row and group of 64",
 }
 
 
@@ -100,6 +103,8 @@ def evaluate(names: list[str], num_prompts: int | None, dtype: str) -> list[dict
     for name in names:
         start = time.perf_counter()
         model = quantize_model(copy.deepcopy(base_model), SCHEMES[name], calibration)
+        if SCHEMES[name].activations == "int8":
+            switch_to_w4a8(model)
         quantize_s = time.perf_counter() - start
         metrics = compare(base, [continuation_logprobs(model, row) for row in rows], rows)
         results.append({"scheme": name, "quantize_s": quantize_s, **metrics})

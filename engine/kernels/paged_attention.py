@@ -1,31 +1,21 @@
 """The CPU paged-attention kernel (paged_attention.c), built on first use: short queries
 always, prefill chunks too under batch invariance.
 
-The C file is compiled once with the system C compiler into the cache
-directory (well under a second) and called through ctypes: no build step at
-install, no torch headers. Where no compiler is found, or the build fails,
-`available()` is False and attention keeps to its torch path, which is also
-the reference the tests compare this kernel against.
+The C file is compiled on first use (engine/kernels/native.py, well under a
+second). Where it cannot be built, `available()` is False and attention keeps
+to its torch path, which is also the reference the tests compare this kernel
+against.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from engine.config import default_cache_dir
-
-log = logging.getLogger(__name__)
+from engine.kernels import native
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
 COMPILE_FLAGS = (
@@ -34,9 +24,6 @@ COMPILE_FLAGS = (
     # every value finite, as fast-math assumes.
     "-O3", "-march=native", "-ffast-math", "-fPIC",
 )  # fmt: skip
-LINK_FLAGS = ("-shared", "-lm")
-"""Linked in a separate step without -ffast-math: linking with it would add crtfastmath,
-whose constructor switches the whole process to flush-denormals-to-zero."""
 PARALLEL_MIN_QUERIES = 32
 """Fewer queries than this run on the calling thread: a hand-off costs more than it saves."""
 _ENTRY_POINTS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
@@ -83,7 +70,7 @@ def paged_attention(
     if len(ranges) == 1:  # on the calling thread: a hand-off would cost more than it saves
         statuses = [run(*ranges[0])]
     else:
-        statuses = list(_executor(len(ranges)).map(lambda bounds: run(*bounds), ranges))
+        statuses = list(native.executor(len(ranges)).map(lambda bounds: run(*bounds), ranges))
     if any(statuses):
         raise ValueError(f"paged attention: head_dim {head_dim} or GQA group too large")
     return out
@@ -102,42 +89,6 @@ def _query_ranges(visible: torch.Tensor, num_threads: int) -> list[tuple[int, in
 
 
 @functools.cache
-def _executor(num_threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(num_threads, thread_name_prefix="paged-attention")
-
-
-@functools.cache
 def _library() -> ctypes.CDLL | None:
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        log.warning("no C compiler found: paged attention stays on its torch path")
-        return None
-    try:
-        library = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.CalledProcessError) as exc:
-        log.warning("paged attention kernel unavailable (%s): using the torch path", exc)
-        return None
-    for name in _ENTRY_POINTS.values():
-        getattr(library, name).argtypes = _ARGTYPES
-        getattr(library, name).restype = ctypes.c_int
-    return library
-
-
-def _build(compiler: str) -> Path:
-    """Compile once per source, flags and machine; later processes load the cached library."""
-    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
-    key = SOURCE.read_bytes() + flags.encode() + platform.machine().encode()
-    digest = hashlib.sha256(key).hexdigest()[:16]
-    target = default_cache_dir() / "kernels" / f"paged_attention-{digest}.so"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(f".{os.getpid()}.tmp")
-        obj = partial.with_suffix(".o")
-        for command in (
-            [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-            [compiler, str(obj), "-o", str(partial), *LINK_FLAGS],
-        ):
-            subprocess.run(command, check=True, capture_output=True)
-        obj.unlink()
-        partial.rename(target)
-    return target
+    signatures = {name: (_ARGTYPES, ctypes.c_int) for name in _ENTRY_POINTS.values()}
+    return native.load(SOURCE, COMPILE_FLAGS, signatures)

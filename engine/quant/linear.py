@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from engine.config import QuantConfig
+from engine.kernels import w4a8
 from engine.kernels.int4_mm import TILE_N, int4_dequantize, int4_mm_cpu, int4_mm_triton, pack_int4
 from engine.kernels.int8_mm import int8_mm_cpu, int8_mm_triton
 from engine.quant.maths import AwqParams, group_size_for, int4_codes, quantize_int8
@@ -116,6 +117,9 @@ class Int4Linear(QuantLinear):
 
     qweight: torch.Tensor
     scales_and_zeros: torch.Tensor
+    w4a8_weight: w4a8.W4A8Weight | None = None
+    """The weight in the W4A8 kernel's layout once `use_w4a8` has switched the layer over
+    (a copy beside the tile64 codes, which the checkpoint and the other paths read)."""
 
     def __init__(
         self,
@@ -137,9 +141,16 @@ class Int4Linear(QuantLinear):
         )
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ W^T through the INT4 group-wise matmul (CPU, Triton or reference)."""
+        """x [M, K] @ W^T through the INT4 group-wise matmul: W4A8 when switched over, else
+        weight-only (CPU, Triton or reference)."""
+        if self.w4a8_weight is not None and not x.is_cuda:
+            return w4a8.w4a8_mm(x, self.w4a8_weight)
         mm = int4_mm_triton if x.is_cuda else int4_mm_cpu
         return mm(x, self.qweight, self.scales_and_zeros, self.group_size)
+
+    def use_w4a8(self) -> None:
+        """Compute with int8 activations from now on (the kernel must be available)."""
+        self.w4a8_weight = w4a8.repack(self.qweight, self.scales_and_zeros, self.group_size)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The fp weight this module computes with: for quality checks and tests."""
@@ -184,6 +195,21 @@ def quantize_linear(
     if awq is not None:
         module.input_scale = awq.input_scale.to(dtype)
     return module
+
+
+def switch_to_w4a8(model: nn.Module) -> int:
+    """Have every INT4 layer whose shape the W4A8 kernel takes compute with int8
+    activations; how many were switched (none where the kernel does not build here)."""
+    if not w4a8.available():
+        log.warning("quant.activations int8: no W4A8 kernel here, INT4 stays weight-only")
+        return 0
+    layers = [
+        m for m in model.modules()
+        if isinstance(m, Int4Linear) and w4a8.supports(m.out_features, m.in_features, m.group_size)
+    ]  # fmt: skip
+    for layer in layers:
+        layer.use_w4a8()
+    return len(layers)
 
 
 # ---- which layers ---------------------------------------------------------------------

@@ -30,7 +30,12 @@ from engine.model.loader import (
 )
 from engine.quant.awq import calibration_token_ids, search_model
 from engine.quant.checkpoint import checkpoint_filename, load_quantized, save_quantized
-from engine.quant.linear import quantization_plan, quantize_linear, set_submodule
+from engine.quant.linear import (
+    quantization_plan,
+    quantize_linear,
+    set_submodule,
+    switch_to_w4a8,
+)
 from engine.quant.maths import AwqParams
 
 log = logging.getLogger(__name__)
@@ -67,7 +72,10 @@ def load_quantized_model(
             if model is None:
                 model = _quantize(model_dir, args, config, tokenizer)
                 save_quantized(model, path, quant)
-    return model.to(config.device).eval(), tokenizer
+    model = model.to(config.device).eval()
+    if quant.activations == "int8" and torch.device(config.device).type == "cpu":
+        log.info("W4A8: %d INT4 layers compute with int8 activations", switch_to_w4a8(model))
+    return model, tokenizer
 
 
 def _quantize(

@@ -1,0 +1,77 @@
+"""C kernels built on first use: compiled once per source, flags and machine into the cache
+directory, loaded through ctypes (which releases the GIL during a call).
+
+No build step at install and no torch headers. Where no compiler is found, or the
+build fails (a CPU without the instructions a kernel needs), `load` returns None and
+the caller keeps to its torch path, which is also the reference its tests use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from engine.config import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+LINK_FLAGS = ("-shared", "-lm")
+"""Linked in a separate step without -ffast-math: linking with it would add crtfastmath,
+whose constructor switches the whole process to flush-denormals-to-zero."""
+
+Signature = tuple[list[type], type]
+"""A C function's ctypes argument types and return type."""
+
+
+def load(
+    source: Path, compile_flags: tuple[str, ...], signatures: dict[str, Signature]
+) -> ctypes.CDLL | None:
+    """The library built from `source` with its entry points typed; None where it cannot be
+    built here (the reason is logged once)."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning("no C compiler found: %s stays on its torch path", source.stem)
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(compiler, source, compile_flags)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        log.warning("%s kernel unavailable (%s): using the torch path", source.stem, exc)
+        return None
+    for name, (argtypes, restype) in signatures.items():
+        getattr(library, name).argtypes = argtypes
+        getattr(library, name).restype = restype
+    return library
+
+
+@functools.cache
+def executor(num_threads: int) -> ThreadPoolExecutor:
+    """Threads that run kernel calls side by side (each call releases the GIL)."""
+    return ThreadPoolExecutor(num_threads, thread_name_prefix="native-kernel")
+
+
+def _build(compiler: str, source: Path, compile_flags: tuple[str, ...]) -> Path:
+    """Compile once per source, flags and machine; later processes load the cached library."""
+    flags = " ".join(compile_flags + LINK_FLAGS)
+    key = source.read_bytes() + flags.encode() + platform.machine().encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
+    target = default_cache_dir() / "kernels" / f"{source.stem}-{digest}.so"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(f".{os.getpid()}.tmp")
+        obj = partial.with_suffix(".o")
+        for command in (
+            [compiler, *compile_flags, "-c", str(source), "-o", str(obj)],
+            [compiler, str(obj), "-o", str(partial), *LINK_FLAGS],
+        ):
+            subprocess.run(command, check=True, capture_output=True)
+        obj.unlink()
+        partial.rename(target)
+    return target

@@ -1,0 +1,128 @@
+/* W4A8 matmul on the CPU: 4-bit weights times 8-bit activations, integer dot products.
+ *
+ * Weight-only INT4 with float activations spends its time de-quantizing: every
+ * weight becomes a float before it is multiplied. Here the activations are
+ * quantized instead (per row and per weight group, to int8, which is cheap: M rows,
+ * not N), and the 4-bit codes meet them in AVX2's integer multiply-adds, 64
+ * products per two instructions. Each group's integer sum is scaled into a float
+ * accumulator once:
+ *
+ *   y[m, n] = sum_g a[m, g] * (s[g, n] * (dot_g(q[n], xq[m]) - 8 sum_g(xq[m]))
+ *                              + z[g, n] * sum_g(xq[m]))
+ *
+ * for the weight value (q - 8) * s + z and a[m, g] the activation group's scale.
+ * The centring (- 8 sum) is done in exact integers: in floats it would cancel two
+ * large terms. Every output row's arithmetic is the same whatever
+ * else shares the call (integer sums are exact; the float steps come in one fixed
+ * order), so results do not depend on the batch: the engine's batch invariance.
+ *
+ * Layouts. x [M, K] fp32. The weight, for each block of 8 output rows, holds K / 8
+ * chunks of 32 bytes: byte 4 r + j of chunk c has row r's code for input 8 c + j in
+ * its low nibble and for input 8 c + 4 + j in its high nibble, so one load and two
+ * masks give two registers of 8 rows x 4 inputs, the shape of maddubs + madd.
+ * scales and zeros [K / G, N] fp32. out [M, N] fp32.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifndef __AVX2__
+#error "the W4A8 kernel needs AVX2 (the engine falls back to its torch path)"
+#endif
+
+#define ROWS_PER_BLOCK 8
+#define INPUTS_PER_CHUNK 8
+#define CHUNK_BYTES 32
+#define MAX_TILE 4 /* activation rows sharing each weight chunk */
+
+/* x [m, k] -> int8 codes xq [m, k], and per (row, group) the scale a = max|x| / 127 and
+ * the codes' sum. A group of zeros gets scale 0. */
+void w4a8_quantize(const float *x, int64_t m, int64_t k, int64_t group, int8_t *xq, float *a,
+                   int32_t *sums) {
+    int64_t num_groups = k / group;
+    for (int64_t row = 0; row < m; row++) {
+        for (int64_t g = 0; g < num_groups; g++) {
+            const float *xs = x + row * k + g * group;
+            int8_t *qs = xq + row * k + g * group;
+            float amax = 0.0f;
+            for (int64_t i = 0; i < group; i++) amax = fmaxf(amax, fabsf(xs[i]));
+            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int32_t sum = 0;
+            for (int64_t i = 0; i < group; i++) {
+                int32_t q = (int32_t)nearbyintf(xs[i] * inv);
+                q = q > 127 ? 127 : (q < -127 ? -127 : q);
+                qs[i] = (int8_t)q;
+                sum += q;
+            }
+            a[row * num_groups + g] = amax / 127.0f;
+            sums[row * num_groups + g] = sum;
+        }
+    }
+}
+
+static inline __m256i broadcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+/* `tile` activation rows (starting at row0) times one block of 8 weight rows. Inlined
+ * per tile size, so the accumulators live in registers. */
+static inline __attribute__((always_inline)) void block_tile(
+    const int8_t *xq, const float *a, const int32_t *sums, const uint8_t *w, const float *scales,
+    const float *zeros, float *out, int64_t n, int64_t k, int64_t group, int64_t block,
+    int64_t row0, int tile) {
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    int64_t num_groups = k / group, chunks_per_group = group / INPUTS_PER_CHUNK;
+    __m256 acc[MAX_TILE];
+    for (int r = 0; r < tile; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < num_groups; g++) {
+        __m256i dot[MAX_TILE];
+        for (int r = 0; r < tile; r++) dot[r] = _mm256_setzero_si256();
+        for (int64_t ch = g * chunks_per_group; ch < (g + 1) * chunks_per_group; ch++) {
+            __m256i packed = _mm256_loadu_si256((const __m256i *)(w + ch * CHUNK_BYTES));
+            __m256i lo = _mm256_and_si256(packed, low_nibbles);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+            for (int r = 0; r < tile; r++) {
+                const int8_t *xs = xq + (row0 + r) * k + ch * INPUTS_PER_CHUNK;
+                /* codes 0..15 times int8 codes: pair sums stay within int16 */
+                __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xs)),
+                                                 _mm256_maddubs_epi16(hi, broadcast4(xs + 4)));
+                dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
+            }
+        }
+        __m256 s = _mm256_loadu_ps(scales + g * n + block * ROWS_PER_BLOCK);
+        __m256 z = _mm256_loadu_ps(zeros + g * n + block * ROWS_PER_BLOCK);
+        for (int r = 0; r < tile; r++) {
+            int64_t ag = (row0 + r) * num_groups + g;
+            __m256i centred = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(8 * sums[ag]));
+            __m256 sa = _mm256_mul_ps(s, _mm256_set1_ps(a[ag]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), sa, acc[r]);
+            acc[r] = _mm256_fmadd_ps(z, _mm256_set1_ps(a[ag] * (float)sums[ag]), acc[r]);
+        }
+    }
+    for (int r = 0; r < tile; r++)
+        _mm256_storeu_ps(out + (row0 + r) * n + block * ROWS_PER_BLOCK, acc[r]);
+}
+
+/* out[:, 8 block_start : 8 block_end] for every row. Each 8-row weight block is read
+ * from memory once and reused from cache by every tile of activation rows. */
+void w4a8_matmul(const int8_t *xq, const float *a, const int32_t *sums, const uint8_t *w,
+                 const float *scales, const float *zeros, float *out, int64_t m, int64_t n,
+                 int64_t k, int64_t group, int64_t block_start, int64_t block_end) {
+    int64_t block_bytes = (k / INPUTS_PER_CHUNK) * CHUNK_BYTES;
+    for (int64_t block = block_start; block < block_end; block++) {
+        const uint8_t *wb = w + block * block_bytes;
+        int64_t row0 = 0;
+        for (; row0 + MAX_TILE <= m; row0 += MAX_TILE)
+            block_tile(xq, a, sums, wb, scales, zeros, out, n, k, group, block, row0, MAX_TILE);
+        switch (m - row0) {
+            case 3: block_tile(xq, a, sums, wb, scales, zeros, out, n, k, group, block, row0, 3); break;
+            case 2: block_tile(xq, a, sums, wb, scales, zeros, out, n, k, group, block, row0, 2); break;
+            case 1: block_tile(xq, a, sums, wb, scales, zeros, out, n, k, group, block, row0, 1); break;
+            default: break;
+        }
+    }
+}

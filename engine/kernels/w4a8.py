@@ -1,0 +1,145 @@
+"""W4A8 on the CPU (w4a8.c): INT4 weights times activations quantized to int8 on the fly.
+
+The engine's INT4 layers keep their codes in the tile64 layout (engine/kernels/int4_mm.py)
+that torch's weight-only op and the Triton kernel read. This kernel wants each 8-row
+block's codes as 32-byte chunks of 8 rows x 8 inputs (see the C file), so a layer
+is repacked once, at its first CPU call (`repack`), beside its tile64 codes.
+
+Activations are quantized per row and per weight group (symmetric, scale max|x| /
+127), so an outlier only coarsens its own group. `w4a8_mm_reference` is the same
+maths in float64 torch: the tests hold the kernel to it, and to batch invariance.
+Where the kernel cannot be built (no compiler, no AVX2), `available()` is False and
+INT4 layers keep to the weight-only path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.kernels import native
+from engine.kernels.int4_mm import int4_dequantize, unpack_int4
+
+SOURCE = Path(__file__).with_name("w4a8.c")
+COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC")
+"""No -ffast-math: every float step stays in its written order, the same for a row
+computed alone or in a batch."""
+ROWS_PER_BLOCK = 8
+INPUTS_PER_CHUNK = 8
+PARALLEL_MIN_BLOCKS = 64
+"""Fewer 8-row blocks than this run on the calling thread: a hand-off costs more."""
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_SIGNATURES: dict[str, native.Signature] = {
+    "w4a8_quantize": ([_P, _I, _I, _I, _P, _P, _P], None),
+    "w4a8_matmul": ([_P] * 7 + [_I] * 6, None),
+}
+
+
+@dataclass(frozen=True)
+class W4A8Weight:
+    """An INT4 weight in the kernel's layout."""
+
+    codes: torch.Tensor
+    """uint8 [N / 8, K / 8, 32]: per 8-row block, chunks of 8 rows x 8 inputs."""
+    scales: torch.Tensor
+    """fp32 [K / group, N]: s, the group's step."""
+    zeros: torch.Tensor
+    """fp32 [K / group, N]: z, the value of code 8."""
+    group_size: int
+
+    @property
+    def out_features(self) -> int:
+        """N."""
+        return self.scales.shape[1]
+
+
+def available() -> bool:
+    """The kernel is built for this CPU."""
+    return _library() is not None
+
+
+def supports(out_features: int, in_features: int, group_size: int) -> bool:
+    """Shapes the kernel's blocking takes (every Llama projection with a group of 32-128)."""
+    return (
+        out_features % ROWS_PER_BLOCK == 0
+        and group_size % INPUTS_PER_CHUNK == 0
+        and in_features % group_size == 0
+    )
+
+
+def repack(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> W4A8Weight:
+    """tile64 codes and [G, N, 2] (scale, zero) -> the kernel's layout."""
+    codes = unpack_int4(packed)  # [N, K]
+    n, k = codes.shape
+    if not supports(n, k, group_size):
+        shape = f"{n}x{k}, group {group_size}"
+        raise ValueError(f"W4A8 takes N % 8 == 0 and groups of 8j dividing K, got {shape}")
+    chunks = codes.view(n // ROWS_PER_BLOCK, ROWS_PER_BLOCK, k // INPUTS_PER_CHUNK, 2, 4)
+    chunks = chunks.permute(0, 2, 1, 3, 4)  # [block, chunk, row, half, input]
+    low, high = chunks[..., 0, :], chunks[..., 1, :]
+    chunk_bytes = (low | (high << 4)).reshape(n // ROWS_PER_BLOCK, k // INPUTS_PER_CHUNK, 32)
+    scales, zeros = scales_and_zeros.float().unbind(-1)
+    return W4A8Weight(chunk_bytes.contiguous(), scales.contiguous(), zeros.contiguous(), group_size)
+
+
+def w4a8_mm(x: torch.Tensor, weight: W4A8Weight) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] in x's dtype. Output blocks are split over torch's
+    intra-op threads; every output is computed the same way whatever the split."""
+    lib = _library()
+    assert lib is not None, "call available() first"
+    x32 = x.contiguous().float()
+    (m, k), n, group = x32.shape, weight.out_features, weight.group_size
+    xq = torch.empty((m, k), dtype=torch.int8)
+    scale = torch.empty((m, k // group), dtype=torch.float32)
+    code_sum = torch.empty((m, k // group), dtype=torch.int32)
+    lib.w4a8_quantize(x32.data_ptr(), m, k, group, xq.data_ptr(), scale.data_ptr(),
+                      code_sum.data_ptr())  # fmt: skip
+    out = torch.empty((m, n), dtype=torch.float32)
+
+    def run(bounds: tuple[int, int]) -> None:
+        lib.w4a8_matmul(
+            xq.data_ptr(), scale.data_ptr(), code_sum.data_ptr(), weight.codes.data_ptr(),
+            weight.scales.data_ptr(), weight.zeros.data_ptr(), out.data_ptr(),
+            m, n, k, group, *bounds,
+        )  # fmt: skip
+
+    num_blocks = n // ROWS_PER_BLOCK
+    threads = torch.get_num_threads() if num_blocks >= PARALLEL_MIN_BLOCKS else 1
+    edges = [num_blocks * i // threads for i in range(threads + 1)]
+    ranges = list(zip(edges[:-1], edges[1:], strict=True))
+    if len(ranges) == 1:
+        run(ranges[0])
+    else:
+        list(native.executor(len(ranges)).map(run, ranges))
+    return out.to(x.dtype)
+
+
+def quantize_activations(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation codes [M, K] (int8 values) and scales [M, K / group]."""
+    groups = x.float().view(x.shape[0], -1, group_size)
+    amax = groups.abs().amax(-1)
+    # Tensor / tensor: torch computes scalar / tensor as a reciprocal times the scalar,
+    # which can be an ulp off the kernel's division and round a code the other way.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    codes = torch.round(groups * inv[..., None]).clamp(-127, 127)
+    return codes.view(x.shape), amax / 127.0
+
+
+def w4a8_mm_reference(
+    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """What the kernel computes, in float64: quantized activations times the INT4 weight."""
+    codes, scales = quantize_activations(x, group_size)
+    activations = (codes.view(x.shape[0], -1, group_size) * scales[..., None]).view(x.shape)
+    weight = int4_dequantize(packed, scales_and_zeros.double(), group_size, torch.float64)
+    return (activations.double() @ weight.T).to(x.dtype)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    return native.load(SOURCE, COMPILE_FLAGS, _SIGNATURES)

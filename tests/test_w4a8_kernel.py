@@ -1,0 +1,118 @@
+"""The W4A8 CPU kernel (engine/kernels/w4a8.c) against its float64 torch reference, its batch
+invariance, and the INT4 layers and engine that switch to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import QuantConfig
+from engine.kernels import w4a8
+from engine.kernels.int4_mm import int4_mm_reference, pack_int4
+from engine.quant.linear import Int4Linear, quantize_linear, switch_to_w4a8
+
+pytestmark = pytest.mark.skipif(not w4a8.available(), reason="no AVX2 / C compiler here")
+
+SHAPES = [(64, 64, 32), (192, 576, 64), (1536, 576, 32), (576, 1536, 128)]
+"""(N, K, group): the model's projections, and the smallest block the kernel takes."""
+
+
+def _int4_weight(n: int, k: int, group: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=generator)
+    scales = torch.rand(k // group, n, generator=generator) * 0.02 + 1e-3
+    zeros = torch.randn(k // group, n, generator=generator) * 0.01
+    return pack_int4(codes), torch.stack([scales, zeros], dim=-1)
+
+
+@pytest.mark.parametrize(("n", "k", "group"), SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 64])
+def test_kernel_matches_its_reference(n: int, k: int, group: int, rows: int) -> None:
+    packed, scales_and_zeros = _int4_weight(n, k, group)
+    x = torch.randn(rows, k) * 3
+
+    out = w4a8.w4a8_mm(x, w4a8.repack(packed, scales_and_zeros, group))
+
+    reference = w4a8.w4a8_mm_reference(x, packed, scales_and_zeros, group)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+
+
+def test_int8_activations_stay_close_to_float_ones() -> None:
+    """What W4A8 trades: per-group int8 activations move outputs by well under 1% here."""
+    packed, scales_and_zeros = _int4_weight(576, 1536, 64)
+    x = torch.randn(8, 1536)
+
+    out = w4a8.w4a8_mm(x, w4a8.repack(packed, scales_and_zeros, 64))
+
+    weight_only = int4_mm_reference(x, packed, scales_and_zeros, 64)
+    relative = (out - weight_only).norm() / weight_only.norm()
+    assert 0 < relative < 0.01
+
+
+def test_a_row_is_the_same_alone_or_in_any_batch() -> None:
+    packed, scales_and_zeros = _int4_weight(1536, 576, 64)
+    weight = w4a8.repack(packed, scales_and_zeros, 64)
+    x = torch.randn(13, 576)
+
+    batch = w4a8.w4a8_mm(x, weight)
+
+    for rows in (1, 2, 3, 5):  # every tile size the kernel has, and their mixes
+        parts = [w4a8.w4a8_mm(x[i : i + rows], weight) for i in range(0, 13, rows)]
+        assert torch.equal(torch.cat(parts), batch)
+
+
+def test_threads_split_the_outputs_without_changing_a_bit() -> None:
+    packed, scales_and_zeros = _int4_weight(1536, 576, 64)
+    weight = w4a8.repack(packed, scales_and_zeros, 64)
+    x = torch.randn(4, 576)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = w4a8.w4a8_mm(x, weight)
+        torch.set_num_threads(2)
+        split = w4a8.w4a8_mm(x, weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, split)
+
+
+def test_zero_and_bf16_inputs() -> None:
+    packed, scales_and_zeros = _int4_weight(64, 64, 32)
+    weight = w4a8.repack(packed, scales_and_zeros, 32)
+
+    zero_rows = w4a8.w4a8_mm(torch.zeros(2, 64), weight)
+    halves = w4a8.w4a8_mm(torch.randn(3, 64).bfloat16(), weight)
+
+    assert torch.equal(zero_rows, torch.zeros(2, 64))  # a zero group has scale 0, not NaN
+    assert halves.dtype == torch.bfloat16 and torch.isfinite(halves.float()).all()
+
+
+def test_an_int4_layer_switched_to_w4a8_computes_with_the_kernel() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 192, bias=False)
+    layer = quantize_linear(linear, "int4", 64)
+    assert isinstance(layer, Int4Linear)
+    x = torch.randn(5, 576)
+    weight_only = layer(x)
+
+    assert switch_to_w4a8(torch.nn.Sequential(layer)) == 1
+    switched = layer(x)
+
+    expected = w4a8.w4a8_mm_reference(x, layer.qweight, layer.scales_and_zeros, 64)
+    torch.testing.assert_close(switched, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(switched, weight_only)
+    assert "w4a8_weight" not in dict(layer.named_buffers())  # the checkpoint is unchanged
+
+
+def test_repack_refuses_shapes_the_kernel_cannot_block() -> None:
+    packed, scales_and_zeros = _int4_weight(64, 576, 64)
+    with pytest.raises(ValueError, match="W4A8"):
+        w4a8.repack(packed, scales_and_zeros, 128)  # 576 inputs are not groups of 128
+
+
+def test_int8_activations_need_int4_weights() -> None:
+    with pytest.raises(ValueError, match="needs quant.scheme 'int4'"):
+        QuantConfig("int8", activations="int8")
+    with pytest.raises(ValueError, match="quant.activations"):
+        QuantConfig("int4", activations="fp8")
