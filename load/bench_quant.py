@@ -39,6 +39,7 @@ VARIANTS: dict[str, QuantConfig | None] = {
     "int8": QuantConfig("int8"),
     "int4": QuantConfig("int4", 64, "awq"),
     "int4_a8": QuantConfig("int4", 64, "awq", activations="int8"),
+    "int4_a8_head": QuantConfig("int4", 64, "awq", quantize_lm_head=True, activations="int8"),
 }
 CONCURRENCY = 64
 LINEARS = (torch.nn.Linear, QuantLinear, PackedLinear)
@@ -186,6 +187,7 @@ def main() -> None:
     dtype = str(EngineConfig().torch_dtype).removeprefix("torch.")
     common = {"threads": args.threads, "dtype": dtype, "model": "default", "quick": args.quick,
               "int4": "g64 awq", "int4_a8": "g64 awq, int8 activations (W4A8)",
+              "int4_a8_head": "int4_a8 with the lm_head quantized too",
               "concurrency": CONCURRENCY}  # fmt: skip
     report(results, common)
 

@@ -43,6 +43,9 @@ SCHEMES: dict[str, QuantConfig] = {
     "int4_g64_rtn": QuantConfig("int4", 64, "rtn"),
     "int4_g64_awq": QuantConfig("int4", 64, "awq"),
     "int4_g64_awq_a8": QuantConfig("int4", 64, "awq", activations="int8"),
+    "int4_g64_awq_a8_head": QuantConfig(
+        "int4", 64, "awq", quantize_lm_head=True, activations="int8"
+    ),
     "int4_g128_rtn": QuantConfig("int4", 128, "rtn"),
     "int4_g128_awq": QuantConfig("int4", 128, "awq"),
 }

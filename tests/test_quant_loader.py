@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 import torch
 
 from engine.config import EngineConfig, QuantConfig, default_cache_dir
+from engine.kernels import w4a8
 from engine.model.llama import ModelArgs
 from engine.model.loader import resolve_model_dir
-from engine.quant.linear import QuantLinear
+from engine.quant.linear import Int4Linear, QuantLinear
 from engine.quant.prepare import load_quantized_model, quantized_checkpoint_path
 
 
@@ -41,3 +43,30 @@ def test_checkpoint_path_separates_dtype_depth_and_scheme(tmp_path) -> None:
     truncated = dataclasses.replace(args, num_layers=4)
     paths.add(quantized_checkpoint_path(model_dir, truncated, base))
     assert len(paths) == 4
+
+
+def test_w4a8_loads_the_int4_checkpoint_and_switches_its_layers(tmp_path) -> None:
+    if not w4a8.available():
+        pytest.skip("no W4A8 kernel on this CPU")
+    model_dir = resolve_model_dir("default", default_cache_dir())
+    weight_only = EngineConfig(model=str(model_dir), cache_dir=tmp_path, dtype="float32",
+                               quant=QuantConfig("int4", 64, "rtn"))  # fmt: skip
+    w4a8_config = dataclasses.replace(
+        weight_only, quant=QuantConfig("int4", 64, "rtn", activations="int8")
+    )
+    float_model, tokenizer = load_quantized_model(weight_only, num_layers=4)
+    int8_model, _ = load_quantized_model(w4a8_config, num_layers=4)
+
+    args = float_model.args
+    path = quantized_checkpoint_path(model_dir, args, weight_only)
+    assert path == quantized_checkpoint_path(model_dir, args, w4a8_config)  # one checkpoint
+    layers = [m for m in int8_model.modules() if isinstance(m, Int4Linear)]
+    assert layers and all(m.w4a8_weight is not None for m in layers)
+    ids = torch.tensor(tokenizer.encode("The capital of France is"))
+    with torch.inference_mode():
+        expected, actual = (
+            float_model.compute_logits_dense(ids),
+            int8_model.compute_logits_dense(ids),
+        )
+    assert not torch.equal(actual, expected)
+    assert torch.nn.functional.cosine_similarity(actual, expected, dim=-1).min() > 0.99
