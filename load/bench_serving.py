@@ -279,10 +279,11 @@ def engine_closed_loop(
     engine: LLMEngine, prompts: list[list[int]], max_tokens: int = OUTPUT_TOKENS
 ) -> tuple[list[Result], float]:
     """Every prompt queued at once on an engine of `max_num_seqs` = the streams: a request
-    starts as one ends, as with closed-loop clients. Each request as a client would see it
-    (times from the start: every request is sent then), and the wall time."""
+    starts as one ends, as with closed-loop clients. Each request as such a client would see
+    it (from when its slot freed), and the wall time."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     first_s: dict[str, float] = {}
+    ends_s: list[float] = []
     results: list[Result] = []
     start_s = time.perf_counter()
     prompt_lengths = {f"closed-{start_s}-{i}": len(prompt) for i, prompt in enumerate(prompts)}
@@ -293,18 +294,19 @@ def engine_closed_loop(
             now_s = time.perf_counter() - start_s
             first_token_s = first_s.setdefault(output.request_id, now_s)
             if output.finished:
-                sent_s = _started_s(first_token_s, results)
+                sent_s = _sent_s(first_token_s, ends_s)
                 results.append(Result(first_token_s - sent_s, now_s - sent_s,
                                       output.num_output_tokens,
                                       prompt_lengths[output.request_id], 0))  # fmt: skip
+                ends_s.append(now_s)
     return results, time.perf_counter() - start_s
 
 
-def _started_s(first_token_s: float, finished: list[Result]) -> float:
-    """When a closed-loop client would have sent the request: as the earlier request whose
-    slot it took ended (at 0 for the first wave). The latest end before its first token."""
-    ends = [r.e2e_s for r in finished if r.e2e_s <= first_token_s]
-    return max(ends, default=0.0)
+def _sent_s(first_token_s: float, ends_s: list[float]) -> float:
+    """When a closed-loop client would have sent a request that got its first token at
+    `first_token_s`: as the request whose slot it took ended, the latest end before (0 for
+    the first wave)."""
+    return max((end_s for end_s in ends_s if end_s <= first_token_s), default=0.0)
 
 
 def path_config(config: TierserveConfig) -> TierserveConfig:
