@@ -146,6 +146,12 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
 
+def auto_dtype_name(device: str = "cpu") -> str:
+    """The dtype `auto` resolves to on this machine (`bfloat16` or `float32`): benchmarks
+    run in it, since emulated bf16 would measure the emulation."""
+    return str(EngineConfig(device=device).torch_dtype).removeprefix("torch.")
+
+
 def _fast_bf16(device: str) -> bool:
     """bf16 runs at full speed here: any GPU, or a CPU whose oneDNN has native bf16 kernels."""
     if torch.device(device).type != "cpu":

@@ -4,11 +4,14 @@
 
 (a) tierserve, all requests submitted at once; (b) transformers `generate`
 one request at a time (the naive server); (c) transformers static batches of
-8, left-padded. All in bf16, 128 output tokens with EOS ignored, prompts of
-100-500 tokens drawn with a fixed seed. The baselines are rates (tok/s), so
-they are measured on a leading subset of the same requests to keep the run
-short; the subset size is printed. Then batch-1 decode speed, and TTFT of 16
-requests sharing a 1,000-token system prompt with and without prefix caching.
+8, left-padded. All in the engine's dtype, 128 output tokens with EOS ignored,
+prompts of 100-500 tokens drawn with a fixed seed. The baselines are rates
+(tok/s), so they are measured on a leading subset of the same requests to keep
+the run short; the subset size is printed. Then where a decode step's time
+goes with every request running (load/step_profile.py; `share.decode.c<n>.*`,
+with `outside_matmul_attention` the norms, activations, residuals, step
+preparation and sampling), batch-1 decode speed, and TTFT of 16 requests
+sharing a 1,000-token system prompt with and without prefix caching.
 """
 
 from __future__ import annotations
@@ -19,13 +22,17 @@ import time
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, auto_dtype_name
 from engine.engine import LLMEngine
 from engine.model.batch_invariance import request_reproducible_blas
 from engine.model.loader import resolve_model_dir
 from engine.sampling_params import SamplingParams
 from load.report import emit, log
+from load.step_profile import PARTS, profile_steps
 
+DTYPE = auto_dtype_name()
+"""Both sides run in the dtype `auto` resolves to here: bf16 where the CPU has native bf16
+kernels, fp32 on the others (emulated bf16 would measure the emulation)."""
 VOCAB_LOW, VOCAB_HIGH = 1000, 40000  # ordinary BPE tokens, away from the special ones
 
 
@@ -109,10 +116,27 @@ def mean_ttft_ms(engine: LLMEngine, prompts: list[list[int]]) -> float:
     return total / len(prompts) * 1000
 
 
+def report_decode_profile(engine: LLMEngine, prompts: list[list[int]], common: dict) -> None:
+    """Each part's share of decode steps with every prompt running (prefill done first)."""
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    waiting = set()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"profiled-{i}", prompt, params)
+        waiting.add(f"profiled-{i}")
+    while waiting:
+        waiting -= {o.request_id for o in engine.step() if o.new_token_ids}
+    shares = profile_steps(engine)
+    name = f"share.decode.c{len(prompts)}"
+    for part in PARTS:
+        emit("engine", f"{name}.{part}", shares[part], "x", **common)
+    outside = shares["other_model"] + shares["outside_model"]
+    emit("engine", f"{name}.outside_matmul_attention", outside, "x", **common)
+
+
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
-    """The benchmark's engine settings (bf16, 64 sequences), with `overrides`."""
+    """The benchmark's engine settings (the engine's dtype, 64 sequences), with `overrides`."""
     base = dict(
-        dtype="bfloat16",
+        dtype=DTYPE,
         max_num_seqs=64,
         max_num_batched_tokens=args.budget,
         num_threads=args.threads,
@@ -133,7 +157,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     n, out_len = (16, 64) if args.quick else (64, 128)
     n_seq, n_static = (2, 8) if args.quick else (4, 16)
-    common = dict(threads=args.threads, dtype="bfloat16", seed=args.seed, quick=args.quick)
+    common = dict(threads=args.threads, dtype=DTYPE, seed=args.seed, quick=args.quick)
     log(
         f"threads={args.threads} requests={n} output_tokens={out_len} "
         f"hf_sequential_subset={n_seq} hf_static8_subset={n_static}"
@@ -144,7 +168,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(
-        resolve_model_dir("default", engine.config.cache_dir), dtype=torch.bfloat16
+        resolve_model_dir("default", engine.config.cache_dir), dtype=getattr(torch, DTYPE)
     ).eval()
     pad_id = engine.tokenizer.pad_token_id or 0
     run_tierserve(engine, prompts[:4], 4)  # warm-up
@@ -157,6 +181,7 @@ def main() -> None:
     emit("engine", "throughput_tok_s.hf_static8", static8, "tok/s", n=n_static, **common)
     emit("engine", "ratio.vs_hf_sequential", ours / seq, "x", **common)
     emit("engine", "ratio.vs_hf_static8", ours / static8, "x", **common)
+    report_decode_profile(engine, prompts, common)
 
     b1_prompt = prompts[0][:128]
     ours_b1 = decode_b1_tierserve(engine, b1_prompt, out_len)

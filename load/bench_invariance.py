@@ -103,5 +103,6 @@ def main() -> None:
         same = reproducible(engine, random.Random(7))
         emit("invariance", f"reproducible.{'invariant' if on else 'off'}", same, "bool", **common)
 
+
 if __name__ == "__main__":
     main()

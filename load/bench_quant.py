@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from engine.config import EngineConfig, QuantConfig
+from engine.config import EngineConfig, QuantConfig, auto_dtype_name
 from engine.engine import LLMEngine
 from engine.model.batch_invariance import request_reproducible_blas
 from engine.model.packed_linear import PackedLinear
@@ -184,8 +184,8 @@ def main() -> None:
         results[variant] = run_child("--memory", variant, args.threads) or {}
     for variant, speed in measure_speed(variants, args.quick, args.threads).items():
         results[variant].update(speed)
-    dtype = str(EngineConfig().torch_dtype).removeprefix("torch.")
-    common = {"threads": args.threads, "dtype": dtype, "model": "default", "quick": args.quick,
+    common = {"threads": args.threads, "dtype": auto_dtype_name(), "model": "default",
+              "quick": args.quick,
               "int4": "g64 awq", "int4_a8": "g64 awq, int8 activations (W4A8)",
               "int4_a8_head": "int4_a8 with the lm_head quantized too",
               "concurrency": CONCURRENCY}  # fmt: skip

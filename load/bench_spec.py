@@ -45,16 +45,14 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig, SpecDecodeConfig
+from engine.config import EngineConfig, SpecDecodeConfig, auto_dtype_name
 from engine.engine import LLMEngine
 from engine.model.batch_invariance import request_reproducible_blas
 from engine.model.chat import chat_prompt_ids
 from engine.sampling_params import SamplingParams
 from load.report import emit, log
 
-DTYPE = str(EngineConfig().torch_dtype).removeprefix("torch.")
-"""The dtype `auto` resolves to here: bf16 emulated on an AVX2-only CPU is several times
-slower than fp32 and would measure the emulation, not speculation."""
+DTYPE = auto_dtype_name()
 PROMPT_DIR = Path(__file__).resolve().parent.parent / "data" / "spec_prompts"
 CASES = (  # (prompt set, proposer, ratio metric)
     ("grounded", "ngram", "ratio.tpot_speedup.ngram_grounded"),
@@ -79,6 +77,7 @@ class Timings:
 
     def wrap(self, fn, name_of):
         """`fn`, timed into the bucket `name_of(*args)` names."""
+
         def timed(*args, **kwargs):
             """Call `fn` and add its wall time to its bucket."""
             start = time.perf_counter()
@@ -116,6 +115,7 @@ def instrument(engine: LLMEngine) -> Timings:
 @dataclass
 class Result:
     """One request's tokens and decode timing."""
+
     token_ids: list[int]
     tpot_ms: float | None
     decode_s: float
@@ -141,6 +141,7 @@ def run_one(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> Res
 @dataclass
 class Side:
     """The results of one engine over one prompt set."""
+
     results: list[Result] = field(default_factory=list)
 
     @property
