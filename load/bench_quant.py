@@ -9,6 +9,8 @@ linear layers (the lm_head is tied to the embedding and stays bf16).
 `bf16` names the unquantized model in the engine's own dtype: bf16 on a CPU with
 native bf16 kernels, fp32 on the others (an AVX2-only CPU); the JSON's `dtype` says
 which. `int4_a8` is INT4 with int8 activations (W4A8, engine/kernels/w4a8.c).
+Last, each quantized variant's top-1 agreement with the unquantized model
+(`top1_agreement.<variant>`, load/quant_quality.py's quick prompt set).
 
     python -m load.bench_quant [--quick] [--variants bf16,int8,int4,int4_a8]
 """
@@ -32,6 +34,7 @@ from engine.quant.awq import DEFAULT_CALIBRATION_PATH
 from engine.quant.linear import QuantLinear
 from engine.quant.prepare import prepare_model
 from engine.sampling_params import SamplingParams
+from load.quant_quality import QUICK_PROMPTS, evaluate
 from load.report import emit
 
 VARIANTS: dict[str, QuantConfig | None] = {
@@ -42,6 +45,9 @@ VARIANTS: dict[str, QuantConfig | None] = {
     "int4_a8_head": QuantConfig("int4", 64, "awq", quantize_lm_head=True, activations="int8"),
 }
 CONCURRENCY = 64
+QUALITY_SCHEMES = {"int8": "int8", "int4": "int4_g64_awq", "int4_a8": "int4_g64_awq_a8",
+                   "int4_a8_head": "int4_g64_awq_a8_head"}  # fmt: skip
+"""Each quantized variant's scheme in load/quant_quality.py: the same quantization."""
 LINEARS = (torch.nn.Linear, QuantLinear, PackedLinear)
 
 
@@ -153,6 +159,16 @@ def report(results: dict[str, dict[str, float]], common: dict) -> None:
             emit("quant", f"ratio.{name}.{variant}_vs_bf16", ratio, "x", **common)
 
 
+def report_quality(variants: list[str], common: dict) -> None:
+    """Each quantized variant's top-1 agreement with the unquantized model on quant_quality's
+    quick prompts (a copy quantized afresh in this process: the same maths as its engine)."""
+    quantized = [v for v in variants if v in QUALITY_SCHEMES]
+    results = evaluate([QUALITY_SCHEMES[v] for v in quantized], QUICK_PROMPTS, auto_dtype_name())
+    for variant, result in zip(quantized, results, strict=True):
+        emit("quant", f"top1_agreement.{variant}", result["top1_agreement"], "ratio",
+             scheme=result["scheme"], n_prompts=QUICK_PROMPTS, **common)  # fmt: skip
+
+
 def main() -> None:
     """Prepare, measure and compare every variant; print JSON lines."""
     request_reproducible_blas()  # as pool replicas run (engine.process), before any matmul
@@ -190,6 +206,7 @@ def main() -> None:
               "int4_a8_head": "int4_a8 with the lm_head quantized too",
               "concurrency": CONCURRENCY}  # fmt: skip
     report(results, common)
+    report_quality(variants, common)
 
 
 if __name__ == "__main__":
