@@ -28,7 +28,7 @@ from engine.model.batch_invariance import request_reproducible_blas
 from engine.model.loader import resolve_model_dir
 from engine.sampling_params import SamplingParams
 from load.report import emit, log
-from load.step_profile import PARTS, profile_steps
+from load.step_profile import PARTS, profile_steps, step_until_decoding
 
 DTYPE = auto_dtype_name()
 """Both sides run in the dtype `auto` resolves to here: bf16 where the CPU has native bf16
@@ -119,12 +119,10 @@ def mean_ttft_ms(engine: LLMEngine, prompts: list[list[int]]) -> float:
 def report_decode_profile(engine: LLMEngine, prompts: list[list[int]], common: dict) -> None:
     """Each part's share of decode steps with every prompt running (prefill done first)."""
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    waiting = set()
+    request_ids = {f"profiled-{i}" for i in range(len(prompts))}
     for i, prompt in enumerate(prompts):
         engine.add_request(f"profiled-{i}", prompt, params)
-        waiting.add(f"profiled-{i}")
-    while waiting:
-        waiting -= {o.request_id for o in engine.step() if o.new_token_ids}
+    step_until_decoding(engine, request_ids)
     shares = profile_steps(engine)
     name = f"share.decode.c{len(prompts)}"
     for part in PARTS:

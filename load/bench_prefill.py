@@ -42,7 +42,7 @@ from engine.sampling_params import SamplingParams
 from load.bench_engine import make_prompts
 from load.local_cluster import serving
 from load.report import emit, log, percentile
-from load.step_profile import PARTS, profile_steps
+from load.step_profile import PARTS, profile_steps, step_until_decoding
 
 BENCH = "prefill"
 LENGTHS = (200, 800, 2000)
@@ -116,7 +116,7 @@ def decode_itl_ms(
     streams = [f"decode-{i}-{time.perf_counter()}" for i in range(NUM_DECODE_STREAMS)]
     for request_id, prompt in zip(streams, make_prompts(3, 100, 100, seed=7), strict=True):
         engine.add_request(request_id, prompt, params, max_step_s=max_step_s)
-    _until_decoding(engine, set(streams))
+    step_until_decoding(engine, set(streams))
     if with_long_prefill:
         long_prompt = make_prompts(1, LONG_PROMPT, LONG_PROMPT, seed=8)[0]
         engine.add_request("long", long_prompt, replace(params, max_tokens=1), 0, max_step_s)
@@ -134,13 +134,6 @@ def decode_itl_ms(
     for request_id in [*streams, "long"]:
         engine.abort_request(request_id)
     return gaps
-
-
-def _until_decoding(engine: LLMEngine, request_ids: set[str]) -> None:
-    """Step until every request in `request_ids` has its first token (prefill done)."""
-    waiting = set(request_ids)
-    while waiting:
-        waiting -= {o.request_id for o in engine.step() if o.new_token_ids}
 
 
 async def server_ttft_ms(base_url: str, texts: list[str], model: str) -> tuple[float, int]:

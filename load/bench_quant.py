@@ -34,7 +34,7 @@ from engine.quant.awq import DEFAULT_CALIBRATION_PATH
 from engine.quant.linear import QuantLinear
 from engine.quant.prepare import prepare_model
 from engine.sampling_params import SamplingParams
-from load.quant_quality import QUICK_PROMPTS, evaluate
+from load.quant_quality import QUICK_PROMPTS, SCHEMES, evaluate
 from load.report import emit
 
 VARIANTS: dict[str, QuantConfig | None] = {
@@ -45,9 +45,6 @@ VARIANTS: dict[str, QuantConfig | None] = {
     "int4_a8_head": QuantConfig("int4", 64, "awq", quantize_lm_head=True, activations="int8"),
 }
 CONCURRENCY = 64
-QUALITY_SCHEMES = {"int8": "int8", "int4": "int4_g64_awq", "int4_a8": "int4_g64_awq_a8",
-                   "int4_a8_head": "int4_g64_awq_a8_head"}  # fmt: skip
-"""Each quantized variant's scheme in load/quant_quality.py: the same quantization."""
 LINEARS = (torch.nn.Linear, QuantLinear, PackedLinear)
 
 
@@ -162,11 +159,17 @@ def report(results: dict[str, dict[str, float]], common: dict) -> None:
 def report_quality(variants: list[str], common: dict) -> None:
     """Each quantized variant's top-1 agreement with the unquantized model on quant_quality's
     quick prompts (a copy quantized afresh in this process: the same maths as its engine)."""
-    quantized = [v for v in variants if v in QUALITY_SCHEMES]
-    results = evaluate([QUALITY_SCHEMES[v] for v in quantized], QUICK_PROMPTS, auto_dtype_name())
+    quantized = [v for v in variants if VARIANTS[v] is not None]
+    schemes = [_quality_scheme(VARIANTS[v]) for v in quantized]
+    results = evaluate(schemes, QUICK_PROMPTS, auto_dtype_name())
     for variant, result in zip(quantized, results, strict=True):
         emit("quant", f"top1_agreement.{variant}", result["top1_agreement"], "ratio",
              scheme=result["scheme"], n_prompts=QUICK_PROMPTS, **common)  # fmt: skip
+
+
+def _quality_scheme(quant: QuantConfig | None) -> str:
+    """The name load/quant_quality.py gives the same quantization."""
+    return next(name for name, config in SCHEMES.items() if config == quant)
 
 
 def main() -> None:

@@ -70,6 +70,14 @@ def _hooked(model: nn.Module) -> Iterator[_Clock]:
             handle.remove()
 
 
+def step_until_decoding(engine: LLMEngine, request_ids: set[str]) -> None:
+    """Step until every request in `request_ids` has its first token (prefill done), so
+    that what is profiled next is decoding."""
+    waiting = set(request_ids)
+    while waiting:
+        waiting -= {o.request_id for o in engine.step() if o.new_token_ids}
+
+
 def profile_steps(engine: LLMEngine) -> dict[str, float]:
     """Step the engine until it has nothing left; each part's share of the steps' time
     (PARTS, summing to 1) and the steps' total seconds under `total_s`."""
