@@ -47,7 +47,7 @@ class SpecDecodeConfig:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """Weight-only quantization of the linear layers; `None` in EngineConfig means off."""
+    """Quantization of the linear layers; `None` in EngineConfig means off."""
 
     scheme: str = "int8"
     """`int8` (per output channel) or `int4` (group-wise, asymmetric)."""
@@ -56,9 +56,13 @@ class QuantConfig:
     """`rtn` (round to nearest) or `awq` (activation-aware scaling)."""
     quantize_lm_head: bool = False
     activations: str = "float"
-    """`float`: weight-only (activations stay in the model's dtype). `int8`, with INT4
-    weights on a CPU: each layer quantizes its input per row and group to int8 and runs
-    integer dot products (W4A8, engine/kernels/w4a8.c), where the kernel builds."""
+    """`float`: weight-only (activations stay in the model's dtype). `int8`, on a CPU: each
+    layer quantizes its input per row and group to int8 and runs integer dot products
+    (W4A8 / W8A8, engine/kernels/w4a8.c), where the kernel builds."""
+    int8_layers: tuple[str, ...] = ()
+    """Mixed precision for `int4`: layers whose name ends with one of these (e.g.
+    `down_proj`, or `lm_head` with `quantize_lm_head`) are quantized to INT8 instead,
+    where INT4 costs the most quality."""
 
     def __post_init__(self) -> None:
         if self.scheme not in ("int8", "int4"):
@@ -67,8 +71,11 @@ class QuantConfig:
             raise ValueError(
                 f"quant.activations must be 'float' or 'int8', got {self.activations!r}"
             )
-        if self.activations == "int8" and self.scheme != "int4":
-            raise ValueError("quant.activations 'int8' needs quant.scheme 'int4' (W4A8)")
+        if self.int8_layers and self.scheme != "int4":
+            raise ValueError("quant.int8_layers mixes INT8 into an INT4 scheme: needs 'int4'")
+        if "lm_head" in self.int8_layers and not self.quantize_lm_head:
+            raise ValueError("quant.int8_layers names lm_head: set quant.quantize_lm_head too")
+        object.__setattr__(self, "int8_layers", tuple(self.int8_layers))
         if self.method not in ("rtn", "awq"):
             raise ValueError(f"quant.method must be 'rtn' or 'awq', got {self.method!r}")
         if self.group_size not in (32, 64, 128):

@@ -4,13 +4,16 @@ Each variant's weights (quantized ones from a cached checkpoint, made once on
 first use) are loaded into an LLMEngine in a fresh process to read its RSS;
 then one process holds all variants and times batch-1 greedy decoding and 64
 concurrent requests, round-robin, keeping each variant's best round. Ratios
-are variant / bf16 (bigger is better); weight bytes count the decoder's
-linear layers (the lm_head is tied to the embedding and stays bf16).
+are variant / bf16 (bigger is better); weight bytes count the linear layers
+and the lm_head (tied to the embedding unless a variant quantizes it).
 `bf16` names the unquantized model in the engine's own dtype: bf16 on a CPU with
 native bf16 kernels, fp32 on the others (an AVX2-only CPU); the JSON's `dtype` says
-which. `int4_a8` is INT4 with int8 activations (W4A8, engine/kernels/w4a8.c).
+which. `int4_a8` is INT4 with int8 activations (W4A8, engine/kernels/w4a8.c);
+`int4_a8_head` adds the lm_head at INT4, `int4_a8_head8` at INT8 (W8A8), and
+`int8_a8` is INT8 with int8 activations (W8A8).
 Last, each quantized variant's top-1 agreement with the unquantized model
-(`top1_agreement.<variant>`, load/quant_quality.py's quick prompt set).
+(`top1_agreement.<variant>`, load/quant_quality.py's quick prompt set), and beside them
+what bf16 rounding alone gives on the same positions (`top1_agreement.unquantized_bf16_vs_fp32`).
 
     python -m load.bench_quant [--quick] [--variants bf16,int8,int4,int4_a8]
 """
@@ -34,7 +37,7 @@ from engine.quant.awq import DEFAULT_CALIBRATION_PATH
 from engine.quant.linear import QuantLinear
 from engine.quant.prepare import prepare_model
 from engine.sampling_params import SamplingParams
-from load.quant_quality import QUICK_PROMPTS, SCHEMES, evaluate
+from load.quant_quality import QUICK_PROMPTS, SCHEMES, evaluate, report_rounding_floor
 from load.report import emit
 
 VARIANTS: dict[str, QuantConfig | None] = {
@@ -43,16 +46,21 @@ VARIANTS: dict[str, QuantConfig | None] = {
     "int4": QuantConfig("int4", 64, "awq"),
     "int4_a8": QuantConfig("int4", 64, "awq", activations="int8"),
     "int4_a8_head": QuantConfig("int4", 64, "awq", quantize_lm_head=True, activations="int8"),
+    "int4_a8_head8": QuantConfig(
+        "int4", 64, "awq", quantize_lm_head=True, activations="int8", int8_layers=("lm_head",)
+    ),
+    "int8_a8": QuantConfig("int8", activations="int8"),
 }
 CONCURRENCY = 64
 LINEARS = (torch.nn.Linear, QuantLinear, PackedLinear)
 
 
 def linear_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every tensor held by the decoder's linear layers (tied lm_head excluded)."""
+    """Bytes of every tensor held by the linear layers, the lm_head included: what a decode
+    step reads (a tied lm_head reads the embedding; a quantized one, its own codes)."""
     total = 0
-    for name, module in model.named_modules():
-        if isinstance(module, LINEARS) and not name.endswith("lm_head"):
+    for module in model.modules():
+        if isinstance(module, LINEARS):
             total += sum(t.numel() * t.element_size() for t in module.state_dict().values())
     return total
 
@@ -165,6 +173,7 @@ def report_quality(variants: list[str], common: dict) -> None:
     for variant, result in zip(quantized, results, strict=True):
         emit("quant", f"top1_agreement.{variant}", result["top1_agreement"], "ratio",
              scheme=result["scheme"], n_prompts=QUICK_PROMPTS, **common)  # fmt: skip
+    report_rounding_floor(QUICK_PROMPTS, n_prompts=QUICK_PROMPTS, **common)
 
 
 def _quality_scheme(quant: QuantConfig | None) -> str:
@@ -207,6 +216,8 @@ def main() -> None:
               "quick": args.quick,
               "int4": "g64 awq", "int4_a8": "g64 awq, int8 activations (W4A8)",
               "int4_a8_head": "int4_a8 with the lm_head quantized too",
+              "int4_a8_head8": "int4_a8 with the lm_head at INT8 (W8A8)",
+              "int8_a8": "int8 with int8 activations (W8A8)",
               "concurrency": CONCURRENCY}  # fmt: skip
     report(results, common)
     report_quality(variants, common)

@@ -31,13 +31,14 @@ from engine.config import EngineConfig, QuantConfig
 from engine.model.chat import chat_prompt_ids
 from engine.model.loader import load_model, resolve_model_dir
 from engine.quant.awq import DEFAULT_CALIBRATION_PATH, calibration_token_ids
-from engine.quant.linear import switch_to_w4a8
+from engine.quant.linear import switch_to_int8_activations
 from engine.quant.prepare import quantize_model
 from load.report import emit
 
 SCHEMES: dict[str, QuantConfig] = {
     "int8": QuantConfig("int8", method="rtn"),
     "int8_awq": QuantConfig("int8", method="awq"),
+    "int8_a8": QuantConfig("int8", activations="int8"),
     "int4_g32_rtn": QuantConfig("int4", 32, "rtn"),
     "int4_g32_awq": QuantConfig("int4", 32, "awq"),
     "int4_g64_rtn": QuantConfig("int4", 64, "rtn"),
@@ -45,6 +46,16 @@ SCHEMES: dict[str, QuantConfig] = {
     "int4_g64_awq_a8": QuantConfig("int4", 64, "awq", activations="int8"),
     "int4_g64_awq_a8_head": QuantConfig(
         "int4", 64, "awq", quantize_lm_head=True, activations="int8"
+    ),
+    "int4_g64_awq_a8_head8": QuantConfig(
+        "int4", 64, "awq", quantize_lm_head=True, activations="int8", int8_layers=("lm_head",)
+    ),
+    "int4_g32_awq_a8": QuantConfig("int4", 32, "awq", activations="int8"),
+    "int4_g64_awq_a8_int8down": QuantConfig(
+        "int4", 64, "awq", activations="int8", int8_layers=("down_proj",)
+    ),
+    "int4_g64_awq_a8_int8gateup": QuantConfig(
+        "int4", 64, "awq", activations="int8", int8_layers=("gate_up_proj",)
     ),
     "int4_g128_rtn": QuantConfig("int4", 128, "rtn"),
     "int4_g128_awq": QuantConfig("int4", 128, "awq"),
@@ -58,6 +69,11 @@ NOTES = {
     "int4_g32_rtn": "weights come from a Q4_1 (g32) GGUF: g32 looks unrealistically good",
     "int4_g32_awq": "weights come from a Q4_1 (g32) GGUF: g32 looks unrealistically good",
     "int4_g64_awq_a8": "W4A8: activations quantized to int8 per row and group of 64",
+    "int8_a8": "W8A8: activations quantized to int8 per row and group of 64",
+    "int4_g64_awq_a8_head8": "W4A8, the lm_head (a fifth of the weights) W8A8",
+    "int4_g32_awq_a8": "W4A8 g32: the GGUF's own grid, unrealistically good (see above)",
+    "int4_g64_awq_a8_int8down": "mixed: W4A8, the MLP down projections W8A8",
+    "int4_g64_awq_a8_int8gateup": "mixed: W4A8, the MLP gate/up projections W8A8",
 }
 
 
@@ -107,13 +123,30 @@ def evaluate(names: list[str], num_prompts: int | None, dtype: str) -> list[dict
         start = time.perf_counter()
         model = quantize_model(copy.deepcopy(base_model), SCHEMES[name], calibration)
         if SCHEMES[name].activations == "int8":
-            switch_to_w4a8(model)
+            switch_to_int8_activations(model)
         quantize_s = time.perf_counter() - start
         metrics = compare(base, [continuation_logprobs(model, row) for row in rows], rows)
         results.append({"scheme": name, "quantize_s": quantize_s, **metrics})
         print(f"{name}: {metrics} ({quantize_s:.1f} s to quantize)", file=sys.stderr)
         del model
     return results
+
+
+def rounding_floor(num_prompts: int | None) -> dict[str, float]:
+    """The unquantized model run in bf16 against itself in fp32: how far rounding alone
+    moves top-1 on these positions, a floor under what any quantized scheme can show."""
+    base_model, _ = load_model(EngineConfig(dtype="float32"))
+    rows = read_rows(DEFAULT_CALIBRATION_PATH)[:num_prompts]
+    base = [continuation_logprobs(base_model, row) for row in rows]
+    rounded = base_model.to(torch.bfloat16)
+    return compare(base, [continuation_logprobs(rounded, row) for row in rows], rows)
+
+
+def report_rounding_floor(num_prompts: int | None, **extra: object) -> None:
+    """`top1_agreement.unquantized_bf16_vs_fp32`: the floor beside the schemes' figures."""
+    floor = rounding_floor(num_prompts)["top1_agreement"]
+    note = "no quantization: the model in bf16 against itself in fp32"
+    emit("quant", "top1_agreement.unquantized_bf16_vs_fp32", floor, "ratio", note=note, **extra)
 
 
 def report(results: list[dict], num_prompts: int, dtype: str) -> None:
@@ -176,7 +209,9 @@ def main() -> None:
         parser.error(f"unknown schemes {unknown}; choose from {list(SCHEMES)}")
     num_prompts = QUICK_PROMPTS if args.quick else None
     results = evaluate(names, num_prompts, args.dtype)
-    report(results, num_prompts or len(read_rows(DEFAULT_CALIBRATION_PATH)), args.dtype)
+    num_rows = num_prompts or len(read_rows(DEFAULT_CALIBRATION_PATH))
+    report(results, num_rows, args.dtype)
+    report_rounding_floor(num_prompts, n_prompts=num_rows, model="default")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,10 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCau
     return model.to(dtype).eval()
 
 
+MIXED = QuantConfig("int4", 32, "awq", int8_layers=("down_proj",))
+"""INT4 with the MLP's down projections at INT8."""
+
+
 def calibration(num: int = 4, length: int = 24) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     return [torch.randint(0, TINY.vocab_size, (length,), generator=gen) for _ in range(num)]
@@ -129,7 +133,19 @@ def test_awq_model_carries_input_scales_and_runs() -> None:
     assert torch.isfinite(model.compute_logits_dense(torch.arange(10))).all()
 
 
-@pytest.mark.parametrize("config", [QuantConfig("int8"), QuantConfig("int4", 32, "awq")])
+def test_mixed_precision_keeps_the_named_layers_at_int8() -> None:
+    model = quantize_model(tiny_model(), MIXED, calibration())
+
+    for layer in model.layers:
+        assert isinstance(layer.mlp.down_proj, quant.Int8Linear)
+        assert layer.mlp.down_proj.input_scale is not None  # AWQ searched it as INT8
+        assert isinstance(layer.mlp.gate_up_proj, quant.Int4Linear)
+        assert isinstance(layer.self_attn.qkv_proj, quant.Int4Linear)
+    with pytest.raises(ValueError, match="name no Linear"):
+        quantize_model(tiny_model(), QuantConfig("int4", 32, int8_layers=("down",)))
+
+
+@pytest.mark.parametrize("config", [QuantConfig("int8"), QuantConfig("int4", 32, "awq"), MIXED])
 def test_checkpoint_round_trip_reproduces_logits(tmp_path: Path, config: QuantConfig) -> None:
     model = quantize_model(tiny_model(dtype=torch.bfloat16), config, calibration())
     path = tmp_path / quant_checkpoint.checkpoint_filename(config)
@@ -237,3 +253,13 @@ def test_calibration_prompts_tokenize_like_the_stored_ids() -> None:
     rows = [json.loads(line) for line in awq.DEFAULT_CALIBRATION_PATH.read_text().splitlines()]
     first = next(row for row in rows if row["split"] == "calib")
     assert sequences[0].tolist()[: len(first["prompt_ids"])] == first["prompt_ids"]
+
+
+def test_every_bench_quant_variant_has_its_quality_scheme() -> None:
+    """bench_quant reports each variant's top-1 agreement through quant_quality's scheme of
+    the same QuantConfig: a variant without one would fail at the end of a long run."""
+    from load.bench_quant import VARIANTS
+    from load.quant_quality import SCHEMES
+
+    quantized = [config for config in VARIANTS.values() if config is not None]
+    assert quantized and all(config in SCHEMES.values() for config in quantized)

@@ -12,7 +12,7 @@ from engine.config import EngineConfig, QuantConfig, default_cache_dir
 from engine.kernels import w4a8
 from engine.model.llama import ModelArgs
 from engine.model.loader import resolve_model_dir
-from engine.quant.linear import Int4Linear, QuantLinear
+from engine.quant.linear import Int4Linear, Int8Linear, QuantLinear
 from engine.quant.prepare import load_quantized_model, quantized_checkpoint_path
 
 
@@ -38,21 +38,24 @@ def test_checkpoint_path_separates_dtype_depth_and_scheme(tmp_path) -> None:
         base,
         EngineConfig(cache_dir=tmp_path, quant=QuantConfig("int4", 64, "awq")),
         EngineConfig(cache_dir=tmp_path, dtype="float32", quant=QuantConfig("int8")),
+        EngineConfig(cache_dir=tmp_path, quant=QuantConfig("int4", 64, int8_layers=["o_proj"])),
     ]
     paths = {quantized_checkpoint_path(model_dir, args, c) for c in variants}
     truncated = dataclasses.replace(args, num_layers=4)
     paths.add(quantized_checkpoint_path(model_dir, truncated, base))
-    assert len(paths) == 4
+    assert len(paths) == 5
 
 
-def test_w4a8_loads_the_int4_checkpoint_and_switches_its_layers(tmp_path) -> None:
+def test_int8_activations_load_the_weight_only_checkpoint_and_switch_its_layers(tmp_path) -> None:
+    """A mixed INT4 / INT8 model: INT4 layers switch to W4A8, INT8 ones to W8A8."""
     if not w4a8.available():
         pytest.skip("no W4A8 kernel on this CPU")
     model_dir = resolve_model_dir("default", default_cache_dir())
+    mixed = QuantConfig("int4", 64, "rtn", int8_layers=("down_proj",))
     weight_only = EngineConfig(model=str(model_dir), cache_dir=tmp_path, dtype="float32",
-                               quant=QuantConfig("int4", 64, "rtn"))  # fmt: skip
+                               quant=mixed)  # fmt: skip
     w4a8_config = dataclasses.replace(
-        weight_only, quant=QuantConfig("int4", 64, "rtn", activations="int8")
+        weight_only, quant=dataclasses.replace(mixed, activations="int8")
     )
     float_model, tokenizer = load_quantized_model(weight_only, num_layers=4)
     int8_model, _ = load_quantized_model(w4a8_config, num_layers=4)
@@ -60,8 +63,10 @@ def test_w4a8_loads_the_int4_checkpoint_and_switches_its_layers(tmp_path) -> Non
     args = float_model.args
     path = quantized_checkpoint_path(model_dir, args, weight_only)
     assert path == quantized_checkpoint_path(model_dir, args, w4a8_config)  # one checkpoint
-    layers = [m for m in int8_model.modules() if isinstance(m, Int4Linear)]
-    assert layers and all(m.w4a8_weight is not None for m in layers)
+    int4_layers = [m for m in int8_model.modules() if isinstance(m, Int4Linear)]
+    int8_layers = [m for m in int8_model.modules() if isinstance(m, Int8Linear)]
+    assert int4_layers and all(m.w4a8_weight is not None for m in int4_layers)
+    assert len(int8_layers) == 4 and all(m.w8a8_weight is not None for m in int8_layers)
     ids = torch.tensor(tokenizer.encode("The capital of France is"))
     with torch.inference_mode():
         expected, actual = (

@@ -1,5 +1,5 @@
-"""The W4A8 CPU kernel (engine/kernels/w4a8.c) against its float64 torch reference, its batch
-invariance, and the INT4 layers and engine that switch to it."""
+"""The W4A8 and W8A8 CPU kernels (engine/kernels/w4a8.c) against their float64 torch
+references, their batch invariance, and the quantized layers that switch to them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 from engine.config import QuantConfig
 from engine.kernels import w4a8
 from engine.kernels.int4_mm import int4_mm_reference, pack_int4
-from engine.quant.linear import Int4Linear, quantize_linear, switch_to_w4a8
+from engine.quant.linear import Int4Linear, Int8Linear, quantize_linear, switch_to_int8_activations
+from engine.quant.maths import quantize_int8
 
 pytestmark = pytest.mark.skipif(not w4a8.available(), reason="no AVX2 / C compiler here")
 
@@ -96,7 +97,7 @@ def test_an_int4_layer_switched_to_w4a8_computes_with_the_kernel() -> None:
     x = torch.randn(5, 576)
     weight_only = layer(x)
 
-    assert switch_to_w4a8(torch.nn.Sequential(layer)) == 1
+    assert switch_to_int8_activations(torch.nn.Sequential(layer)) == 1
     switched = layer(x)
 
     expected = w4a8.w4a8_mm_reference(x, layer.qweight, layer.scales_and_zeros, 64)
@@ -111,8 +112,68 @@ def test_repack_refuses_shapes_the_kernel_cannot_block() -> None:
         w4a8.repack(packed, scales_and_zeros, 128)  # 576 inputs are not groups of 128
 
 
-def test_int8_activations_need_int4_weights() -> None:
-    with pytest.raises(ValueError, match="needs quant.scheme 'int4'"):
-        QuantConfig("int8", activations="int8")
+def test_quant_config_refuses_unknown_activations_and_int8_layers_outside_int4() -> None:
     with pytest.raises(ValueError, match="quant.activations"):
         QuantConfig("int4", activations="fp8")
+    with pytest.raises(ValueError, match="needs 'int4'"):
+        QuantConfig("int8", int8_layers=("down_proj",))
+    with pytest.raises(ValueError, match="quantize_lm_head"):
+        QuantConfig("int4", int8_layers=("lm_head",))
+    assert QuantConfig("int4", int8_layers=["down_proj"]).int8_layers == ("down_proj",)
+
+
+# ---- W8A8 ------------------------------------------------------------------------------
+
+
+def _int8_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    codes, scales = quantize_int8(torch.randn(n, k, generator=generator))
+    codes[:, :3] = -128  # reachable with AWQ's clip; its magnitude does not fit an int8
+    return codes, scales
+
+
+@pytest.mark.parametrize(("n", "k", "group"), SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 64])
+def test_w8a8_kernel_matches_its_reference(n: int, k: int, group: int, rows: int) -> None:
+    codes, scales = _int8_weight(n, k)
+    x = torch.randn(rows, k) * 3
+
+    out = w4a8.w8a8_mm(x, w4a8.repack_int8(codes, scales, group))
+
+    reference = w4a8.w8a8_mm_reference(x, codes, scales, group)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+
+
+def test_w8a8_rows_are_the_same_alone_in_any_batch_or_thread_split() -> None:
+    weight = w4a8.repack_int8(*_int8_weight(1536, 576), 64)
+    x = torch.randn(13, 576)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        batch = w4a8.w8a8_mm(x, weight)
+        torch.set_num_threads(2)
+        split = w4a8.w8a8_mm(x, weight)
+    finally:
+        torch.set_num_threads(threads)
+
+    assert torch.equal(split, batch)
+    for rows in (1, 2, 3, 5):
+        parts = [w4a8.w8a8_mm(x[i : i + rows], weight) for i in range(0, 13, rows)]
+        assert torch.equal(torch.cat(parts), batch)
+
+
+def test_an_int8_layer_switched_over_computes_with_w8a8() -> None:
+    torch.manual_seed(0)
+    layer = quantize_linear(torch.nn.Linear(576, 192, bias=False), "int8", 0)
+    assert isinstance(layer, Int8Linear)
+    x = torch.randn(5, 576)
+    weight_only = layer(x)
+
+    assert switch_to_int8_activations(torch.nn.Sequential(layer)) == 1
+    switched = layer(x)
+
+    expected = w4a8.w8a8_mm_reference(x, layer.qweight, layer.scales, 64)
+    torch.testing.assert_close(switched, expected, rtol=1e-5, atol=1e-5)
+    relative = (switched - weight_only).norm() / weight_only.norm()
+    assert 0 < relative < 0.01

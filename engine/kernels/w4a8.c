@@ -1,4 +1,5 @@
-/* W4A8 matmul on the CPU: 4-bit weights times 8-bit activations, integer dot products.
+/* W4A8 matmul on the CPU: 4-bit weights times 8-bit activations, integer dot products,
+ * and its W8A8 sibling for the layers a mixed-precision config keeps at INT8 (at the end).
  *
  * Weight-only INT4 with float activations spends its time de-quantizing: every
  * weight becomes a float before it is multiplied. Here the activations are
@@ -122,6 +123,65 @@ void w4a8_matmul(const int8_t *xq, const float *a, const int32_t *sums, const ui
             case 3: block_tile(xq, a, sums, wb, scales, zeros, out, n, k, group, block, row0, 3); break;
             case 2: block_tile(xq, a, sums, wb, scales, zeros, out, n, k, group, block, row0, 2); break;
             case 1: block_tile(xq, a, sums, wb, scales, zeros, out, n, k, group, block, row0, 1); break;
+            default: break;
+        }
+    }
+}
+
+/* ---- W8A8: INT8 weights (one scale per output row) times the same int8 activations ----
+ *
+ *   y[m, n] = s[n] * sum_g a[m, g] * dot_g(w[n], xq[m])
+ *
+ * Layout: for each block of 8 output rows, K / 4 chunks of 32 bytes: byte 4 r + j of
+ * chunk c is row r's weight for input 4 c + j. maddubs wants one unsigned operand, so
+ * the weight's magnitude meets the activation carrying the weight's sign (|w| <= 128,
+ * |xq| <= 127: a pair sum stays within int16). */
+#define INT8_INPUTS_PER_CHUNK 4
+
+static inline __attribute__((always_inline)) void int8_block_tile(
+    const int8_t *xq, const float *a, const int8_t *w, const float *scales, float *out,
+    int64_t n, int64_t k, int64_t group, int64_t block, int64_t row0, int tile) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    int64_t num_groups = k / group, chunks_per_group = group / INT8_INPUTS_PER_CHUNK;
+    __m256 acc[MAX_TILE];
+    for (int r = 0; r < tile; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < num_groups; g++) {
+        __m256i dot[MAX_TILE];
+        for (int r = 0; r < tile; r++) dot[r] = _mm256_setzero_si256();
+        for (int64_t ch = g * chunks_per_group; ch < (g + 1) * chunks_per_group; ch++) {
+            __m256i weights = _mm256_loadu_si256((const __m256i *)(w + ch * CHUNK_BYTES));
+            __m256i magnitude = _mm256_abs_epi8(weights); /* -128 reads as unsigned 128 */
+            for (int r = 0; r < tile; r++) {
+                const int8_t *xs = xq + (row0 + r) * k + ch * INT8_INPUTS_PER_CHUNK;
+                __m256i signed_x = _mm256_sign_epi8(broadcast4(xs), weights);
+                __m256i pairs = _mm256_maddubs_epi16(magnitude, signed_x);
+                dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
+            }
+        }
+        for (int r = 0; r < tile; r++) {
+            __m256 ag = _mm256_set1_ps(a[(row0 + r) * num_groups + g]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), ag, acc[r]);
+        }
+    }
+    __m256 s = _mm256_loadu_ps(scales + block * ROWS_PER_BLOCK);
+    for (int r = 0; r < tile; r++)
+        _mm256_storeu_ps(out + (row0 + r) * n + block * ROWS_PER_BLOCK, _mm256_mul_ps(acc[r], s));
+}
+
+/* out[:, 8 block_start : 8 block_end] for every row, tiled as in w4a8_matmul. */
+void w8a8_matmul(const int8_t *xq, const float *a, const int8_t *w, const float *scales,
+                 float *out, int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_start,
+                 int64_t block_end) {
+    int64_t block_bytes = (k / INT8_INPUTS_PER_CHUNK) * CHUNK_BYTES;
+    for (int64_t block = block_start; block < block_end; block++) {
+        const int8_t *wb = w + block * block_bytes;
+        int64_t row0 = 0;
+        for (; row0 + MAX_TILE <= m; row0 += MAX_TILE)
+            int8_block_tile(xq, a, wb, scales, out, n, k, group, block, row0, MAX_TILE);
+        switch (m - row0) {
+            case 3: int8_block_tile(xq, a, wb, scales, out, n, k, group, block, row0, 3); break;
+            case 2: int8_block_tile(xq, a, wb, scales, out, n, k, group, block, row0, 2); break;
+            case 1: int8_block_tile(xq, a, wb, scales, out, n, k, group, block, row0, 1); break;
             default: break;
         }
     }

@@ -1,4 +1,5 @@
-"""W4A8 on the CPU (w4a8.c): INT4 weights times activations quantized to int8 on the fly.
+"""W4A8 on the CPU (w4a8.c): INT4 weights times activations quantized to int8 on the fly,
+and W8A8, the same for the INT8 layers of a mixed-precision config.
 
 The engine's INT4 layers keep their codes in the tile64 layout (engine/kernels/int4_mm.py)
 that torch's weight-only op and the Triton kernel read. This kernel wants each 8-row
@@ -9,13 +10,15 @@ Activations are quantized per row and per weight group (symmetric, scale max|x| 
 127), so an outlier only coarsens its own group. `w4a8_mm_reference` is the same
 maths in float64 torch: the tests hold the kernel to it, and to batch invariance.
 Where the kernel cannot be built (no compiler, no AVX2), `available()` is False and
-INT4 layers keep to the weight-only path.
+INT4 layers keep to the weight-only path. W8A8 reads INT8 codes as 32-byte chunks of
+8 rows x 4 inputs (`repack_int8`) with the INT8 layer's per-row scales.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +40,9 @@ _I = ctypes.c_int64
 _SIGNATURES: dict[str, native.Signature] = {
     "w4a8_quantize": ([_P, _I, _I, _I, _P, _P, _P], None),
     "w4a8_matmul": ([_P] * 7 + [_I] * 6, None),
+    "w8a8_matmul": ([_P] * 5 + [_I] * 6, None),
 }
+INT8_INPUTS_PER_CHUNK = 4
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,23 @@ class W4A8Weight:
     def out_features(self) -> int:
         """N."""
         return self.scales.shape[1]
+
+
+@dataclass(frozen=True)
+class W8A8Weight:
+    """An INT8 weight in the kernel's layout."""
+
+    codes: torch.Tensor
+    """int8 [N / 8, K / 4, 32]: per 8-row block, chunks of 8 rows x 4 inputs."""
+    scales: torch.Tensor
+    """fp32 [N]: each output row's step."""
+    group_size: int
+    """Inputs per activation scale."""
+
+    @property
+    def out_features(self) -> int:
+        """N."""
+        return self.scales.shape[0]
 
 
 def available() -> bool:
@@ -87,27 +109,71 @@ def repack(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
     return W4A8Weight(chunk_bytes.contiguous(), scales.contiguous(), zeros.contiguous(), group_size)
 
 
+def repack_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> W8A8Weight:
+    """int8 [N, K] codes and per-row scales [N] -> the kernel's layout, activations quantized
+    per `group_size` inputs."""
+    n, k = qweight.shape
+    if not supports(n, k, group_size):
+        raise ValueError(f"W8A8 takes N % 8 == 0 and groups of 8j dividing K, got {n}x{k}")
+    chunks = qweight.view(n // ROWS_PER_BLOCK, ROWS_PER_BLOCK, k // INT8_INPUTS_PER_CHUNK, 4)
+    chunk_bytes = chunks.permute(0, 2, 1, 3).reshape(n // ROWS_PER_BLOCK, -1, 32)
+    return W8A8Weight(chunk_bytes.contiguous(), scales.float().contiguous(), group_size)
+
+
 def w4a8_mm(x: torch.Tensor, weight: W4A8Weight) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x's dtype. Output blocks are split over torch's
     intra-op threads; every output is computed the same way whatever the split."""
     lib = _library()
     assert lib is not None, "call available() first"
-    x32 = x.contiguous().float()
-    (m, k), n, group = x32.shape, weight.out_features, weight.group_size
-    xq = torch.empty((m, k), dtype=torch.int8)
-    scale = torch.empty((m, k // group), dtype=torch.float32)
-    code_sum = torch.empty((m, k // group), dtype=torch.int32)
-    lib.w4a8_quantize(x32.data_ptr(), m, k, group, xq.data_ptr(), scale.data_ptr(),
-                      code_sum.data_ptr())  # fmt: skip
+    xq, scale, code_sum = _quantize(lib, x, weight.group_size)
+    (m, k), n = xq.shape, weight.out_features
     out = torch.empty((m, n), dtype=torch.float32)
 
     def run(bounds: tuple[int, int]) -> None:
         lib.w4a8_matmul(
             xq.data_ptr(), scale.data_ptr(), code_sum.data_ptr(), weight.codes.data_ptr(),
             weight.scales.data_ptr(), weight.zeros.data_ptr(), out.data_ptr(),
-            m, n, k, group, *bounds,
+            m, n, k, weight.group_size, *bounds,
         )  # fmt: skip
 
+    _over_blocks(n, run)
+    return out.to(x.dtype)
+
+
+def w8a8_mm(x: torch.Tensor, weight: W8A8Weight) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] for an INT8 weight, split over threads as `w4a8_mm`."""
+    lib = _library()
+    assert lib is not None, "call available() first"
+    xq, scale, _ = _quantize(lib, x, weight.group_size)
+    (m, k), n = xq.shape, weight.out_features
+    out = torch.empty((m, n), dtype=torch.float32)
+
+    def run(bounds: tuple[int, int]) -> None:
+        lib.w8a8_matmul(
+            xq.data_ptr(), scale.data_ptr(), weight.codes.data_ptr(), weight.scales.data_ptr(),
+            out.data_ptr(), m, n, k, weight.group_size, *bounds,
+        )  # fmt: skip
+
+    _over_blocks(n, run)
+    return out.to(x.dtype)
+
+
+def _quantize(
+    lib: ctypes.CDLL, x: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x's int8 codes [M, K], and per (row, group) their scale and code sum."""
+    x32 = x.contiguous().float()
+    m, k = x32.shape
+    xq = torch.empty((m, k), dtype=torch.int8)
+    scale = torch.empty((m, k // group), dtype=torch.float32)
+    code_sum = torch.empty((m, k // group), dtype=torch.int32)
+    lib.w4a8_quantize(x32.data_ptr(), m, k, group, xq.data_ptr(), scale.data_ptr(),
+                      code_sum.data_ptr())  # fmt: skip
+    return xq, scale, code_sum
+
+
+def _over_blocks(n: int, run: Callable[[tuple[int, int]], None]) -> None:
+    """Call `run` on ranges of 8-row output blocks: one per intra-op thread for big layers."""
     num_blocks = n // ROWS_PER_BLOCK
     threads = torch.get_num_threads() if num_blocks >= PARALLEL_MIN_BLOCKS else 1
     edges = [num_blocks * i // threads for i in range(threads + 1)]
@@ -116,7 +182,6 @@ def w4a8_mm(x: torch.Tensor, weight: W4A8Weight) -> torch.Tensor:
         run(ranges[0])
     else:
         list(native.executor(len(ranges)).map(run, ranges))
-    return out.to(x.dtype)
 
 
 def quantize_activations(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,6 +203,16 @@ def w4a8_mm_reference(
     activations = (codes.view(x.shape[0], -1, group_size) * scales[..., None]).view(x.shape)
     weight = int4_dequantize(packed, scales_and_zeros.double(), group_size, torch.float64)
     return (activations.double() @ weight.T).to(x.dtype)
+
+
+def w8a8_mm_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """What the W8A8 kernel computes, in float64."""
+    codes, activation_scales = quantize_activations(x, group_size)
+    groups = codes.view(x.shape[0], -1, group_size) * activation_scales[..., None]
+    weight = qweight.double() * scales.double()[:, None]
+    return (groups.view(x.shape).double() @ weight.T).to(x.dtype)
 
 
 @functools.cache

@@ -31,7 +31,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from engine.model.chat import chat_prompt_ids
-from engine.quant.maths import AwqParams, fake_quantize
+from engine.quant.maths import AwqParams, fake_quantize, scheme_of
 
 DEFAULT_CALIBRATION_PATH = Path(__file__).resolve().parents[2] / "data" / "quality_prompts.jsonl"
 SCALE_GRID = 20
@@ -41,7 +41,7 @@ MAX_TOKENS = 512
 
 
 def search_model(
-    model: nn.Module, plan: dict[str, int], scheme: str, calibration: Sequence[torch.Tensor]
+    model: nn.Module, plan: dict[str, int], calibration: Sequence[torch.Tensor]
 ) -> dict[str, AwqParams]:
     """AWQ parameters for every layer of `plan` (name -> group size, 0 for INT8)."""
     inputs = collect_linear_inputs(model, list(plan), calibration)
@@ -49,7 +49,7 @@ def search_model(
     for name, group_size in plan.items():
         linear = model.get_submodule(name)
         assert isinstance(linear, nn.Linear)
-        found[name] = search_layer(linear.weight, inputs[name], scheme, group_size)
+        found[name] = search_layer(linear.weight, inputs[name], scheme_of(group_size), group_size)
     return found
 
 

@@ -33,8 +33,9 @@ def checkpoint_filename(config: QuantConfig) -> str:
     """A file name that changes whenever the quantized tensors would."""
     head = "-lm_head" if config.quantize_lm_head else ""
     group = "" if config.scheme == "int8" else f"-g{config.group_size}"
+    mixed = "".join(f"-int8_{name}" for name in sorted(config.int8_layers))
     version = f"-v{quant.ALGORITHM_VERSION}"
-    return f"{config.scheme}{group}-{config.method}{head}{version}.safetensors"
+    return f"{config.scheme}{group}-{config.method}{head}{mixed}{version}.safetensors"
 
 
 def save_quantized(model: nn.Module, path: Path, config: QuantConfig) -> None:
@@ -100,6 +101,7 @@ def _config_fields(config: QuantConfig) -> dict[str, object]:
         "group_size": config.group_size,
         "method": config.method,
         "quantize_lm_head": config.quantize_lm_head,
+        **({"int8_layers": sorted(config.int8_layers)} if config.int8_layers else {}),
     }
 
 

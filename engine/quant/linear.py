@@ -1,4 +1,4 @@
-"""Weight-only INT8 / INT4 quantization: swap a model's nn.Linear modules in place.
+"""INT8 / INT4 quantization: swap a model's nn.Linear modules in place.
 
 The quantized modules are drop-in replacements (same call, same output shape),
 so the model never knows (gpt-fast's way). INT8 keeps one scale per output
@@ -8,7 +8,10 @@ calibration activations, a per-input-channel scale (so channels that carry
 large activations lose less precision) and a per-group range clip (AWQ, Lin
 et al. 2023). The AWQ scale is applied to the input inside the module instead
 of being folded into the previous layer, so the swap stays model-agnostic; it
-costs one [M, K] multiply per call.
+costs one [M, K] multiply per call. A layer computes with float activations
+(weight-only) until `switch_to_int8_activations` moves it to the integer kernels
+(W4A8 / W8A8). A mixed-precision INT4 config keeps some layers at INT8
+(`QuantConfig.int8_layers`): a plan maps each layer to its group, 0 meaning INT8.
 
 The maths lives in engine/quant/maths.py, AWQ's search in engine/quant/awq.py, the
 model-level swap with caching in engine/quant/prepare.py.
@@ -29,6 +32,8 @@ from engine.quant.maths import AwqParams, group_size_for, int4_codes, quantize_i
 
 log = logging.getLogger(__name__)
 
+W8A8_GROUP_SIZE = 64
+"""Inputs per activation scale when an INT8 layer computes with int8 activations."""
 ALGORITHM_VERSION = 2
 """Bumped whenever the same QuantConfig would produce different tensors (names cached files)."""
 
@@ -73,6 +78,14 @@ class QuantLinear(nn.Module):
         """The [N, K] float weight this module computes with (input scale folded in)."""
         raise NotImplementedError
 
+    def use_int8_activations(self) -> None:
+        """Quantize inputs to int8 and run integer dot products (w4a8.c) from now on."""
+        raise NotImplementedError
+
+    def takes_int8_activations(self) -> bool:
+        """The integer kernel takes this layer's shape."""
+        raise NotImplementedError
+
     def _fold_input_scale(self, weight: torch.Tensor) -> torch.Tensor:
         return weight if self.input_scale is None else weight * self.input_scale
 
@@ -82,6 +95,9 @@ class Int8Linear(QuantLinear):
 
     qweight: torch.Tensor
     scales: torch.Tensor
+    w8a8_weight: w4a8.W8A8Weight | None = None
+    """The weight in the W8A8 kernel's layout once `use_int8_activations` has switched the
+    layer over (a copy beside the row-major codes)."""
 
     def __init__(
         self,
@@ -98,9 +114,23 @@ class Int8Linear(QuantLinear):
         self.register_buffer("scales", torch.empty(out_features, dtype=dtype, device=device))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ W^T through the INT8 weight-only matmul (CPU, Triton or reference)."""
+        """x [M, K] @ W^T: W8A8 when switched over, else the INT8 weight-only matmul (CPU,
+        Triton or reference)."""
+        if self.w8a8_weight is not None and not x.is_cuda:
+            return w4a8.w8a8_mm(x, self.w8a8_weight)
         mm = int8_mm_triton if x.is_cuda else int8_mm_cpu
         return mm(x, self.qweight, self.scales)
+
+    def use_int8_activations(self) -> None:
+        """W8A8, activations quantized per group of `W8A8_GROUP_SIZE` inputs (or fewer)."""
+        group = group_size_for(self.in_features, W8A8_GROUP_SIZE)
+        assert group is not None, "check takes_int8_activations() first"
+        self.w8a8_weight = w4a8.repack_int8(self.qweight, self.scales, group)
+
+    def takes_int8_activations(self) -> bool:
+        """The W8A8 kernel takes this shape."""
+        group = group_size_for(self.in_features, W8A8_GROUP_SIZE)
+        return group is not None and w4a8.supports(self.out_features, self.in_features, group)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The fp weight this module computes with: for quality checks and tests."""
@@ -118,7 +148,7 @@ class Int4Linear(QuantLinear):
     qweight: torch.Tensor
     scales_and_zeros: torch.Tensor
     w4a8_weight: w4a8.W4A8Weight | None = None
-    """The weight in the W4A8 kernel's layout once `use_w4a8` has switched the layer over
+    """The weight in the W4A8 kernel's layout once `use_int8_activations` has switched it over
     (a copy beside the tile64 codes, which the checkpoint and the other paths read)."""
 
     def __init__(
@@ -148,9 +178,13 @@ class Int4Linear(QuantLinear):
         mm = int4_mm_triton if x.is_cuda else int4_mm_cpu
         return mm(x, self.qweight, self.scales_and_zeros, self.group_size)
 
-    def use_w4a8(self) -> None:
-        """Compute with int8 activations from now on (the kernel must be available)."""
+    def use_int8_activations(self) -> None:
+        """W4A8, activations quantized per weight group."""
         self.w4a8_weight = w4a8.repack(self.qweight, self.scales_and_zeros, self.group_size)
+
+    def takes_int8_activations(self) -> bool:
+        """The W4A8 kernel takes this shape."""
+        return w4a8.supports(self.out_features, self.in_features, self.group_size)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The fp weight this module computes with: for quality checks and tests."""
@@ -197,18 +231,17 @@ def quantize_linear(
     return module
 
 
-def switch_to_w4a8(model: nn.Module) -> int:
-    """Have every INT4 layer whose shape the W4A8 kernel takes compute with int8
-    activations; how many were switched (none where the kernel does not build here)."""
+def switch_to_int8_activations(model: nn.Module) -> int:
+    """Have every quantized layer whose shape the integer kernels take compute with int8
+    activations; how many were switched (none where the kernels do not build here)."""
     if not w4a8.available():
-        log.warning("quant.activations int8: no W4A8 kernel here, INT4 stays weight-only")
+        log.warning("quant.activations int8: no W4A8 kernel here, layers stay weight-only")
         return 0
     layers = [
-        m for m in model.modules()
-        if isinstance(m, Int4Linear) and w4a8.supports(m.out_features, m.in_features, m.group_size)
-    ]  # fmt: skip
+        m for m in model.modules() if isinstance(m, QuantLinear) and m.takes_int8_activations()
+    ]
     for layer in layers:
-        layer.use_w4a8()
+        layer.use_int8_activations()
     return len(layers)
 
 
@@ -221,9 +254,10 @@ def quantization_plan(model: nn.Module, config: QuantConfig) -> dict[str, int]:
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        if name.rsplit(".", 1)[-1] == "lm_head" and not config.quantize_lm_head:
+        kind = name.rsplit(".", 1)[-1]
+        if kind == "lm_head" and not config.quantize_lm_head:
             continue
-        group_size = _eligible_group_size(module, config)
+        group_size = 0 if kind in config.int8_layers else _eligible_group_size(module, config)
         if group_size is None:
             log.warning(
                 "quant: leaving %s (%dx%d) unquantized: shape not supported by %s",
@@ -234,6 +268,9 @@ def quantization_plan(model: nn.Module, config: QuantConfig) -> dict[str, int]:
             )
             continue
         plan[name] = group_size
+    unmatched = set(config.int8_layers) - {name.rsplit(".", 1)[-1] for name in plan}
+    if unmatched:
+        raise ValueError(f"quant.int8_layers {sorted(unmatched)} name no Linear of this model")
     return plan
 
 

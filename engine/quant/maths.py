@@ -106,6 +106,12 @@ def fake_quantize(
     return ((grouped - 8) * scales[..., None] + zeros[..., None]).view(n, k)
 
 
+def scheme_of(group_size: int) -> str:
+    """The scheme a quantization plan's entry stands for: group 0 is INT8 (per channel),
+    any other is INT4 with groups of that size."""
+    return "int8" if group_size == 0 else "int4"
+
+
 def group_size_for(in_features: int, requested: int) -> int | None:
     """The largest power-of-two group <= requested that divides K (576 allows 64, not 128)."""
     size = requested

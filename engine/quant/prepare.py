@@ -34,9 +34,9 @@ from engine.quant.linear import (
     quantization_plan,
     quantize_linear,
     set_submodule,
-    switch_to_w4a8,
+    switch_to_int8_activations,
 )
-from engine.quant.maths import AwqParams
+from engine.quant.maths import AwqParams, scheme_of
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,8 @@ def load_quantized_model(
                 save_quantized(model, path, quant)
     model = model.to(config.device).eval()
     if quant.activations == "int8" and torch.device(config.device).type == "cpu":
-        log.info("W4A8: %d INT4 layers compute with int8 activations", switch_to_w4a8(model))
+        switched = switch_to_int8_activations(model)
+        log.info("quant: %d layers compute with int8 activations", switched)
     return model, tokenizer
 
 
@@ -128,7 +129,7 @@ def quantize_model(
     `calibration` (token-id sequences) is needed by method "awq": the model must
     expose `compute_logits_dense(token_ids)`. Layers whose shape the scheme
     cannot take (INT4 needs N % 64 == 0 and a group of >= 32 dividing K) stay
-    as they are, with a warning.
+    as they are, with a warning; `config.int8_layers` take INT8.
     """
     plan = quantization_plan(model, config)
     found: dict[str, AwqParams] = {}
@@ -138,10 +139,10 @@ def quantize_model(
                 "quant.method 'awq' needs calibration token ids "
                 "(engine.quant.awq.calibration_token_ids)"
             )
-        found = search_model(model, plan, config.scheme, calibration)
+        found = search_model(model, plan, calibration)
     for name, group_size in plan.items():
         linear = model.get_submodule(name)
         assert isinstance(linear, nn.Linear)
-        qlinear = quantize_linear(linear, config.scheme, group_size, found.get(name))
+        qlinear = quantize_linear(linear, scheme_of(group_size), group_size, found.get(name))
         set_submodule(model, name, qlinear)
     return model
