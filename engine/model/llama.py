@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.rms_norm import add_rms_norm, rms_norm
 from engine.model.attention import AttentionMetadata, paged_attention
 
 
@@ -138,10 +139,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 as the reference implementation does, then scale.
-        """Normalised `x`, scaled by the learned weight, in `x`'s dtype."""
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return self.weight * normed
+        """Normalised `x` (in fp32, as the reference does), scaled by the learned weight."""
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): a skip connection and this norm, fused."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -196,12 +201,16 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate(x)) * up(x))."""
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up[..., : self.intermediate_size], gate_up[..., self.intermediate_size :]
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # in the fresh projection
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: attention then MLP, each around a residual."""
+    """Pre-norm transformer block: attention then MLP, each around a residual.
+
+    The residual stream travels as a pair: what the previous block added, and the stream
+    before it. Each norm does the add before it (RMSNorm.add_and_norm, one fused call)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -211,11 +220,23 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
 
     def forward(
-        self, x: torch.Tensor, rotation: Rotation, meta: AttentionMetadata | None, kv: LayerKV
-    ) -> torch.Tensor:
-        """The block's output for packed hidden states [T, hidden]."""
-        x = x + self.self_attn(self.input_layernorm(x), rotation, meta, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotation: Rotation,
+        meta: AttentionMetadata | None,
+        kv: LayerKV,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this block's addition, the stream before it) for packed hidden states [T,
+        hidden]: `x` is the previous block's addition to `residual` (None: `x` is the
+        embeddings)."""
+        if residual is None:
+            normed, residual = self.input_layernorm(x), x
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(x, residual)
+        attended = self.self_attn(normed, rotation, meta, kv)
+        normed, residual = self.post_attention_layernorm.add_and_norm(attended, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -246,9 +267,10 @@ class LlamaForCausalLM(nn.Module):
             positions = meta.positions
         rotation = self.rope(positions, x.dtype)
         caches = kv_caches or [None] * len(self.layers)
+        residual = None
         for layer, kv in zip(self.layers, caches, strict=True):
-            x = layer(x, rotation, meta, kv)
-        return self.norm(x)
+            x, residual = layer(x, residual, rotation, meta, kv)
+        return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the rows that are sampled (computing them for every

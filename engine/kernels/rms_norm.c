@@ -1,0 +1,46 @@
+/* RMSNorm on the CPU, fused with the residual add before it: one pass over a row where
+ * torch runs several small ops (each with its own dispatch, tens of microseconds apiece
+ * in a decode step, more than the arithmetic at these sizes).
+ *
+ * fp32, row-major [rows, dim]. Each row is computed alone in a fixed order, so a row's
+ * result does not depend on the batch around it.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define LANES 8 /* independent partial sums: the compiler vectorizes them without reassociating */
+
+static float mean_square(const float *x, int64_t dim) {
+    float partial[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= dim; i += LANES)
+        for (int j = 0; j < LANES; j++) partial[j] += x[i + j] * x[i + j];
+    float sum = 0.0f;
+    for (int j = 0; j < LANES; j++) sum += partial[j];
+    for (; i < dim; i++) sum += x[i] * x[i];
+    return sum / (float)dim;
+}
+
+static void scale_row(const float *x, const float *weight, float inv, int64_t dim, float *out) {
+    for (int64_t i = 0; i < dim; i++) out[i] = weight[i] * (x[i] * inv);
+}
+
+/* out = weight * x / sqrt(mean(x^2) + eps), per row. */
+void rms_norm(const float *x, const float *weight, float eps, int64_t rows, int64_t dim,
+              float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        scale_row(xr, weight, 1.0f / sqrtf(mean_square(xr, dim) + eps), dim, out + r * dim);
+    }
+}
+
+/* summed = residual + x, then out = rms_norm(summed): a pre-norm block's skip connection
+ * and the next norm in one pass. */
+void add_rms_norm(const float *x, const float *residual, const float *weight, float eps,
+                  int64_t rows, int64_t dim, float *summed, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *sr = summed + r * dim;
+        for (int64_t i = 0; i < dim; i++) sr[i] = residual[r * dim + i] + x[r * dim + i];
+        scale_row(sr, weight, 1.0f / sqrtf(mean_square(sr, dim) + eps), dim, out + r * dim);
+    }
+}

@@ -1,0 +1,77 @@
+"""RMSNorm (rms_norm.c), alone or after the residual add, for fp32 on the CPU.
+
+A decode step runs two norms and two residual adds per layer on a few rows of a few
+hundred values; torch spends more on dispatching its ops than on the arithmetic. The
+kernel does each norm, and the add before the block's second norm, in one call.
+Elsewhere (a GPU, bf16, no compiler) the torch path runs: `rms_norm_reference`,
+which the tests hold the kernel to.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import native
+
+SOURCE = Path(__file__).with_name("rms_norm.c")
+COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC")
+"""No -ffast-math: the sum of squares keeps its written order."""
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES: dict[str, native.Signature] = {
+    "rms_norm": ([_P, _P, _F, _I, _I, _P], None),
+    "add_rms_norm": ([_P, _P, _P, _F, _I, _I, _P, _P], None),
+}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dim, in x's dtype."""
+    if not _takes(x, weight):
+        return rms_norm_reference(x, weight, eps)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    rows, dim = x.numel() // x.shape[-1], x.shape[-1]
+    _lib().rms_norm(x.data_ptr(), weight.data_ptr(), eps, rows, dim, out.data_ptr())
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x): the skip connection and the next norm."""
+    if not (_takes(x, weight) and _takes(residual, weight)):
+        summed = residual + x
+        return rms_norm_reference(summed, weight, eps), summed
+    x, residual = x.contiguous(), residual.contiguous()
+    summed, out = torch.empty_like(x), torch.empty_like(x)
+    rows, dim = x.numel() // x.shape[-1], x.shape[-1]
+    _lib().add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, rows, dim,
+                        summed.data_ptr(), out.data_ptr())  # fmt: skip
+    return out, summed
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The torch path: normalised in fp32 as the reference implementation does, then scaled."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return weight * normed
+
+
+def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The kernel applies: fp32 on the CPU, and no gradient to track (ctypes has none)."""
+    tracking = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return (
+        not tracking
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and weight.is_contiguous()
+        and _lib() is not None
+    )
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    return native.load(SOURCE, COMPILE_FLAGS, _SIGNATURES)

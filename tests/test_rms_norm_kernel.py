@@ -1,0 +1,67 @@
+"""The fused RMSNorm kernel (engine/kernels/rms_norm.c) against its torch reference, its
+batch invariance, and the paths that keep to torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import rms_norm as kernel
+
+EPS = 1e-5
+pytestmark = pytest.mark.skipif(kernel._lib() is None, reason="no C compiler here")
+
+
+def _inputs(rows: int, dim: int = 576, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    x, residual = (torch.randn(rows, dim, generator=generator) * 3 for _ in range(2))
+    return x, residual, torch.randn(dim, generator=generator)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("dim", [576, 77])  # a multiple of the kernel's 8 lanes, and not
+def test_kernel_matches_the_torch_reference(rows: int, dim: int) -> None:
+    x, residual, weight = _inputs(rows, dim)
+
+    normed = kernel.rms_norm(x, weight, EPS)
+    added, summed = kernel.add_rms_norm(x, residual, weight, EPS)
+
+    torch.testing.assert_close(normed, kernel.rms_norm_reference(x, weight, EPS))
+    assert torch.equal(summed, residual + x)
+    torch.testing.assert_close(added, kernel.rms_norm_reference(residual + x, weight, EPS))
+
+
+def test_a_row_is_the_same_alone_or_in_a_batch() -> None:
+    x, residual, weight = _inputs(9)
+
+    batch, batch_sum = kernel.add_rms_norm(x, residual, weight, EPS)
+
+    for row in range(9):
+        alone, alone_sum = kernel.add_rms_norm(
+            x[row : row + 1], residual[row : row + 1], weight, EPS
+        )
+        assert torch.equal(alone, batch[row : row + 1]) and torch.equal(
+            alone_sum, batch_sum[row : row + 1]
+        )
+    assert torch.equal(kernel.rms_norm(x[3:4], weight, EPS), kernel.rms_norm(x, weight, EPS)[3:4])
+
+
+def test_inputs_are_left_untouched_and_leading_dims_kept() -> None:
+    x, residual, weight = _inputs(6)
+    x3, residual3 = x.view(2, 3, -1), residual.view(2, 3, -1)
+    before = residual3.clone()
+
+    normed, summed = kernel.add_rms_norm(x3, residual3, weight, EPS)
+
+    assert normed.shape == summed.shape == (2, 3, 576)
+    assert torch.equal(residual3, before)
+
+
+def test_bf16_and_autograd_keep_to_torch() -> None:
+    x, residual, weight = _inputs(4)
+    halves = kernel.rms_norm(x.bfloat16(), weight.bfloat16(), EPS)
+    assert torch.equal(halves, kernel.rms_norm_reference(x.bfloat16(), weight.bfloat16(), EPS))
+
+    trained = weight.clone().requires_grad_()
+    kernel.add_rms_norm(x, residual, trained, EPS)[0].sum().backward()
+    assert trained.grad is not None and torch.isfinite(trained.grad).all()
