@@ -65,8 +65,8 @@ def test_int8_activations_load_the_weight_only_checkpoint_and_switch_its_layers(
     assert path == quantized_checkpoint_path(model_dir, args, w4a8_config)  # one checkpoint
     int4_layers = [m for m in int8_model.modules() if isinstance(m, Int4Linear)]
     int8_layers = [m for m in int8_model.modules() if isinstance(m, Int8Linear)]
-    assert int4_layers and all(m.w4a8_weight is not None for m in int4_layers)
-    assert len(int8_layers) == 4 and all(m.w8a8_weight is not None for m in int8_layers)
+    assert int4_layers and all(m.a8_weight is not None for m in int4_layers)
+    assert len(int8_layers) == 4 and all(m.a8_weight is not None for m in int8_layers)
     ids = torch.tensor(tokenizer.encode("The capital of France is"))
     with torch.inference_mode():
         expected, actual = (

@@ -108,6 +108,20 @@ static inline __attribute__((always_inline)) void block_tile(
         _mm256_storeu_ps(out + (row0 + r) * n + block * ROWS_PER_BLOCK, acc[r]);
 }
 
+/* tile_call(row0, tile) over m activation rows: tiles of MAX_TILE, then the rest, the tile
+ * size a constant at every call so each inlined copy keeps its accumulators in registers. */
+#define FOR_EACH_TILE(m, tile_call)                                                  \
+    do {                                                                             \
+        int64_t row0 = 0;                                                            \
+        for (; row0 + MAX_TILE <= (m); row0 += MAX_TILE) tile_call(row0, MAX_TILE); \
+        switch ((m) - row0) {                                                        \
+            case 3: tile_call(row0, 3); break;                                       \
+            case 2: tile_call(row0, 2); break;                                       \
+            case 1: tile_call(row0, 1); break;                                       \
+            default: break;                                                          \
+        }                                                                            \
+    } while (0)
+
 /* out[:, 8 block_start : 8 block_end] for every row. Each 8-row weight block is read
  * from memory once and reused from cache by every tile of activation rows. */
 void w4a8_matmul(const int8_t *xq, const float *a, const int32_t *sums, const uint8_t *w,
@@ -116,15 +130,10 @@ void w4a8_matmul(const int8_t *xq, const float *a, const int32_t *sums, const ui
     int64_t block_bytes = (k / INPUTS_PER_CHUNK) * CHUNK_BYTES;
     for (int64_t block = block_start; block < block_end; block++) {
         const uint8_t *wb = w + block * block_bytes;
-        int64_t row0 = 0;
-        for (; row0 + MAX_TILE <= m; row0 += MAX_TILE)
-            block_tile(xq, a, sums, wb, scales, zeros, out, n, k, group, block, row0, MAX_TILE);
-        switch (m - row0) {
-            case 3: block_tile(xq, a, sums, wb, scales, zeros, out, n, k, group, block, row0, 3); break;
-            case 2: block_tile(xq, a, sums, wb, scales, zeros, out, n, k, group, block, row0, 2); break;
-            case 1: block_tile(xq, a, sums, wb, scales, zeros, out, n, k, group, block, row0, 1); break;
-            default: break;
-        }
+#define INT4_TILE(row0, tile) \
+    block_tile(xq, a, sums, wb, scales, zeros, out, n, k, group, block, row0, tile)
+        FOR_EACH_TILE(m, INT4_TILE);
+#undef INT4_TILE
     }
 }
 
@@ -175,14 +184,8 @@ void w8a8_matmul(const int8_t *xq, const float *a, const int8_t *w, const float 
     int64_t block_bytes = (k / INT8_INPUTS_PER_CHUNK) * CHUNK_BYTES;
     for (int64_t block = block_start; block < block_end; block++) {
         const int8_t *wb = w + block * block_bytes;
-        int64_t row0 = 0;
-        for (; row0 + MAX_TILE <= m; row0 += MAX_TILE)
-            int8_block_tile(xq, a, wb, scales, out, n, k, group, block, row0, MAX_TILE);
-        switch (m - row0) {
-            case 3: int8_block_tile(xq, a, wb, scales, out, n, k, group, block, row0, 3); break;
-            case 2: int8_block_tile(xq, a, wb, scales, out, n, k, group, block, row0, 2); break;
-            case 1: int8_block_tile(xq, a, wb, scales, out, n, k, group, block, row0, 1); break;
-            default: break;
-        }
+#define INT8_TILE(row0, tile) int8_block_tile(xq, a, wb, scales, out, n, k, group, block, row0, tile)
+        FOR_EACH_TILE(m, INT8_TILE);
+#undef INT8_TILE
     }
 }

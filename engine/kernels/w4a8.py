@@ -46,38 +46,24 @@ INT8_INPUTS_PER_CHUNK = 4
 
 
 @dataclass(frozen=True)
-class W4A8Weight:
-    """An INT4 weight in the kernel's layout."""
+class A8Weight:
+    """A quantized weight in the kernels' layout: INT4 (W4A8) when it has zeros, else INT8
+    (W8A8)."""
 
     codes: torch.Tensor
-    """uint8 [N / 8, K / 8, 32]: per 8-row block, chunks of 8 rows x 8 inputs."""
+    """INT4: uint8 [N / 8, K / 8, 32], per 8-row block chunks of 8 rows x 8 inputs, two
+    codes a byte. INT8: int8 [N / 8, K / 4, 32], chunks of 8 rows x 4 inputs."""
     scales: torch.Tensor
-    """fp32 [K / group, N]: s, the group's step."""
-    zeros: torch.Tensor
-    """fp32 [K / group, N]: z, the value of code 8."""
+    """INT4: fp32 [K / group, N], s, each group's step. INT8: fp32 [N], each row's step."""
     group_size: int
+    """Inputs per activation scale (INT4: the weight's own groups)."""
+    zeros: torch.Tensor | None = None
+    """INT4: fp32 [K / group, N], z, the value of code 8. INT8: None."""
 
     @property
     def out_features(self) -> int:
         """N."""
-        return self.scales.shape[1]
-
-
-@dataclass(frozen=True)
-class W8A8Weight:
-    """An INT8 weight in the kernel's layout."""
-
-    codes: torch.Tensor
-    """int8 [N / 8, K / 4, 32]: per 8-row block, chunks of 8 rows x 4 inputs."""
-    scales: torch.Tensor
-    """fp32 [N]: each output row's step."""
-    group_size: int
-    """Inputs per activation scale."""
-
-    @property
-    def out_features(self) -> int:
-        """N."""
-        return self.scales.shape[0]
+        return self.scales.shape[-1]
 
 
 def available() -> bool:
@@ -94,7 +80,7 @@ def supports(out_features: int, in_features: int, group_size: int) -> bool:
     )
 
 
-def repack(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> W4A8Weight:
+def repack(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> A8Weight:
     """tile64 codes and [G, N, 2] (scale, zero) -> the kernel's layout."""
     codes = unpack_int4(packed)  # [N, K]
     n, k = codes.shape
@@ -106,10 +92,10 @@ def repack(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
     low, high = chunks[..., 0, :], chunks[..., 1, :]
     chunk_bytes = (low | (high << 4)).reshape(n // ROWS_PER_BLOCK, k // INPUTS_PER_CHUNK, 32)
     scales, zeros = scales_and_zeros.float().unbind(-1)
-    return W4A8Weight(chunk_bytes.contiguous(), scales.contiguous(), zeros.contiguous(), group_size)
+    return A8Weight(chunk_bytes.contiguous(), scales.contiguous(), group_size, zeros.contiguous())
 
 
-def repack_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> W8A8Weight:
+def repack_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> A8Weight:
     """int8 [N, K] codes and per-row scales [N] -> the kernel's layout, activations quantized
     per `group_size` inputs."""
     n, k = qweight.shape
@@ -117,42 +103,27 @@ def repack_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) ->
         raise ValueError(f"W8A8 takes N % 8 == 0 and groups of 8j dividing K, got {n}x{k}")
     chunks = qweight.view(n // ROWS_PER_BLOCK, ROWS_PER_BLOCK, k // INT8_INPUTS_PER_CHUNK, 4)
     chunk_bytes = chunks.permute(0, 2, 1, 3).reshape(n // ROWS_PER_BLOCK, -1, 32)
-    return W8A8Weight(chunk_bytes.contiguous(), scales.float().contiguous(), group_size)
+    return A8Weight(chunk_bytes.contiguous(), scales.float().contiguous(), group_size)
 
 
-def w4a8_mm(x: torch.Tensor, weight: W4A8Weight) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N] in x's dtype. Output blocks are split over torch's
-    intra-op threads; every output is computed the same way whatever the split."""
+def a8_mm(x: torch.Tensor, weight: A8Weight) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] in x's dtype, x quantized to int8 on the way in. Output
+    blocks are split over torch's intra-op threads; every output is computed the same
+    way whatever the split."""
     lib = _library()
     assert lib is not None, "call available() first"
     xq, scale, code_sum = _quantize(lib, x, weight.group_size)
-    (m, k), n = xq.shape, weight.out_features
+    (m, k), n, zeros = xq.shape, weight.out_features, weight.zeros
     out = torch.empty((m, n), dtype=torch.float32)
+    shape = (m, n, k, weight.group_size)
 
     def run(bounds: tuple[int, int]) -> None:
-        lib.w4a8_matmul(
-            xq.data_ptr(), scale.data_ptr(), code_sum.data_ptr(), weight.codes.data_ptr(),
-            weight.scales.data_ptr(), weight.zeros.data_ptr(), out.data_ptr(),
-            m, n, k, weight.group_size, *bounds,
-        )  # fmt: skip
-
-    _over_blocks(n, run)
-    return out.to(x.dtype)
-
-
-def w8a8_mm(x: torch.Tensor, weight: W8A8Weight) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N] for an INT8 weight, split over threads as `w4a8_mm`."""
-    lib = _library()
-    assert lib is not None, "call available() first"
-    xq, scale, _ = _quantize(lib, x, weight.group_size)
-    (m, k), n = xq.shape, weight.out_features
-    out = torch.empty((m, n), dtype=torch.float32)
-
-    def run(bounds: tuple[int, int]) -> None:
-        lib.w8a8_matmul(
-            xq.data_ptr(), scale.data_ptr(), weight.codes.data_ptr(), weight.scales.data_ptr(),
-            out.data_ptr(), m, n, k, weight.group_size, *bounds,
-        )  # fmt: skip
+        w, s, o = weight.codes.data_ptr(), weight.scales.data_ptr(), out.data_ptr()
+        if zeros is None:
+            lib.w8a8_matmul(xq.data_ptr(), scale.data_ptr(), w, s, o, *shape, *bounds)
+        else:
+            lib.w4a8_matmul(xq.data_ptr(), scale.data_ptr(), code_sum.data_ptr(), w, s,
+                            zeros.data_ptr(), o, *shape, *bounds)  # fmt: skip
 
     _over_blocks(n, run)
     return out.to(x.dtype)

@@ -43,6 +43,9 @@ class QuantLinear(nn.Module):
 
     input_scale: torch.Tensor | None
     """AWQ's per-input-channel multiplier 1 / s; None for round-to-nearest."""
+    a8_weight: w4a8.A8Weight | None = None
+    """The weight in the integer kernels' layout once `use_int8_activations` has switched
+    the layer over (a copy beside the codes the checkpoint and the other paths read)."""
 
     def __init__(
         self,
@@ -65,13 +68,14 @@ class QuantLinear(nn.Module):
         x = x.reshape(-1, self.in_features)
         if self.input_scale is not None:
             x = x * self.input_scale
-        y = self.matmul(x)
+        use_kernel = self.a8_weight is not None and not x.is_cuda
+        y = w4a8.a8_mm(x, self.a8_weight) if use_kernel else self.matmul(x)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, self.out_features)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] times the quantized weight: the scheme's kernel."""
+        """x [M, K] times the quantized weight, activations in float: the scheme's kernel."""
         raise NotImplementedError
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -95,9 +99,6 @@ class Int8Linear(QuantLinear):
 
     qweight: torch.Tensor
     scales: torch.Tensor
-    w8a8_weight: w4a8.W8A8Weight | None = None
-    """The weight in the W8A8 kernel's layout once `use_int8_activations` has switched the
-    layer over (a copy beside the row-major codes)."""
 
     def __init__(
         self,
@@ -114,10 +115,7 @@ class Int8Linear(QuantLinear):
         self.register_buffer("scales", torch.empty(out_features, dtype=dtype, device=device))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ W^T: W8A8 when switched over, else the INT8 weight-only matmul (CPU,
-        Triton or reference)."""
-        if self.w8a8_weight is not None and not x.is_cuda:
-            return w4a8.w8a8_mm(x, self.w8a8_weight)
+        """x [M, K] @ W^T through the INT8 weight-only matmul (CPU, Triton or reference)."""
         mm = int8_mm_triton if x.is_cuda else int8_mm_cpu
         return mm(x, self.qweight, self.scales)
 
@@ -125,7 +123,7 @@ class Int8Linear(QuantLinear):
         """W8A8, activations quantized per group of `W8A8_GROUP_SIZE` inputs (or fewer)."""
         group = group_size_for(self.in_features, W8A8_GROUP_SIZE)
         assert group is not None, "check takes_int8_activations() first"
-        self.w8a8_weight = w4a8.repack_int8(self.qweight, self.scales, group)
+        self.a8_weight = w4a8.repack_int8(self.qweight, self.scales, group)
 
     def takes_int8_activations(self) -> bool:
         """The W8A8 kernel takes this shape."""
@@ -147,9 +145,6 @@ class Int4Linear(QuantLinear):
 
     qweight: torch.Tensor
     scales_and_zeros: torch.Tensor
-    w4a8_weight: w4a8.W4A8Weight | None = None
-    """The weight in the W4A8 kernel's layout once `use_int8_activations` has switched it over
-    (a copy beside the tile64 codes, which the checkpoint and the other paths read)."""
 
     def __init__(
         self,
@@ -171,16 +166,14 @@ class Int4Linear(QuantLinear):
         )
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ W^T through the INT4 group-wise matmul: W4A8 when switched over, else
-        weight-only (CPU, Triton or reference)."""
-        if self.w4a8_weight is not None and not x.is_cuda:
-            return w4a8.w4a8_mm(x, self.w4a8_weight)
+        """x [M, K] @ W^T through the INT4 group-wise weight-only matmul (CPU, Triton or
+        reference)."""
         mm = int4_mm_triton if x.is_cuda else int4_mm_cpu
         return mm(x, self.qweight, self.scales_and_zeros, self.group_size)
 
     def use_int8_activations(self) -> None:
         """W4A8, activations quantized per weight group."""
-        self.w4a8_weight = w4a8.repack(self.qweight, self.scales_and_zeros, self.group_size)
+        self.a8_weight = w4a8.repack(self.qweight, self.scales_and_zeros, self.group_size)
 
     def takes_int8_activations(self) -> bool:
         """The W4A8 kernel takes this shape."""
