@@ -30,7 +30,7 @@ _SIGNATURES: dict[str, native.Signature] = {
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2) + eps) over the last dim, in x's dtype."""
-    if not _takes(x, weight):
+    if not _takes(weight, x):
         return rms_norm_reference(x, weight, eps)
     x = x.contiguous()
     out = torch.empty_like(x)
@@ -43,7 +43,7 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x): the skip connection and the next norm."""
-    if not (_takes(x, weight) and _takes(residual, weight)):
+    if not _takes(weight, x, residual):
         summed = residual + x
         return rms_norm_reference(summed, weight, eps), summed
     x, residual = x.contiguous(), residual.contiguous()
@@ -60,13 +60,13 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * normed
 
 
-def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _takes(weight: torch.Tensor, *inputs: torch.Tensor) -> bool:
     """The kernel applies: fp32 on the CPU, and no gradient to track (ctypes has none)."""
-    tracking = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    tensors = (weight, *inputs)
+    tracking = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     return (
         not tracking
-        and x.device.type == "cpu"
-        and x.dtype == weight.dtype == torch.float32
+        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
         and weight.is_contiguous()
         and _lib() is not None
     )
