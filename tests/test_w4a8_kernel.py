@@ -54,6 +54,21 @@ def _case(kind: str, n: int, k: int, group: int) -> tuple[w4a8.A8Weight, Referen
     return w4a8.repack_int8(codes, scales, group), reference
 
 
+@pytest.mark.skipif(not w4a8.uses_vnni(), reason="this CPU has no VNNI: one path only")
+@pytest.mark.parametrize("kind", KINDS)
+def test_vnni_and_avx2_paths_agree_bit_for_bit(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    weight, _ = _case(kind, 576, 1536, 64)
+    x = torch.randn(9, 1536) * 3
+    x[0, :64] = 0.0  # a group of zero activations
+    vnni = w4a8.a8_mm(x, weight)
+
+    avx2_library = w4a8._library(w4a8.WITHOUT_VNNI_FLAGS)
+    monkeypatch.setattr(w4a8, "_library", lambda: avx2_library)
+
+    assert not w4a8.uses_vnni()
+    assert torch.equal(w4a8.a8_mm(x, weight), vnni)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(("n", "k", "group"), SHAPES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 64])

@@ -57,10 +57,21 @@ def executor(num_threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(num_threads, thread_name_prefix="native-kernel")
 
 
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the CPU's feature flags where Linux lists them, so a
+    cache shared between machines never hands an AVX-512 build to an AVX2-only CPU."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine() + platform.processor()
+    flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+    return platform.machine() + flags
+
+
 def _build(compiler: str, source: Path, compile_flags: tuple[str, ...]) -> Path:
     """Compile once per source, flags and machine; later processes load the cached library."""
     flags = " ".join(compile_flags + LINK_FLAGS)
-    key = source.read_bytes() + flags.encode() + platform.machine().encode()
+    key = source.read_bytes() + flags.encode() + _cpu_identity().encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
     target = default_cache_dir() / "kernels" / f"{source.stem}-{digest}.so"
     if not target.is_file():

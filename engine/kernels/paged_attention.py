@@ -44,11 +44,13 @@ def paged_attention(
     query_seq: torch.Tensor,  # [N] int64: the sequence each query belongs to
     visible: torch.Tensor,  # [N] int64: context positions each query sees
     block_size: int,
+    thread_ranges: list[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """[N, H, D] attention outputs, read straight from the paged cache.
 
     The queries are split over torch's intra-op thread count (ctypes releases the
-    GIL); each query is computed alone either way, so the split changes no bit."""
+    GIL; `thread_ranges`, from `query_ranges`, where the caller has it already); each
+    query is computed alone either way, so the split changes no bit."""
     lib = _library()
     assert lib is not None, "call available() first"
     q = q.contiguous()
@@ -66,7 +68,7 @@ def paged_attention(
             num_heads, k_cache.shape[1], head_dim, block_size, head_dim**-0.5,
         )  # fmt: skip
 
-    ranges = _query_ranges(visible, torch.get_num_threads())
+    ranges = thread_ranges or query_ranges(visible, torch.get_num_threads())
     if len(ranges) == 1:  # on the calling thread: a hand-off would cost more than it saves
         statuses = [run(*ranges[0])]
     else:
@@ -76,7 +78,7 @@ def paged_attention(
     return out
 
 
-def _query_ranges(visible: torch.Tensor, num_threads: int) -> list[tuple[int, int]]:
+def query_ranges(visible: torch.Tensor, num_threads: int) -> list[tuple[int, int]]:
     """Contiguous query ranges, one per thread, of about equal work (the context each
     query reads); one range when there are too few queries to be worth a thread."""
     num_queries = visible.shape[0]

@@ -2,11 +2,14 @@
  * torch runs several small ops (each with its own dispatch, tens of microseconds apiece
  * in a decode step, more than the arithmetic at these sizes).
  *
- * fp32, row-major [rows, dim]. Each row is computed alone in a fixed order, so a row's
- * result does not depend on the batch around it.
+ * fp32 or bf16, row-major [rows, dim]. Each row is computed alone in a fixed order, so a
+ * row's result does not depend on the batch around it. bf16 rows are normalised in fp32
+ * and rounded where torch's bf16 path rounds (the sum, the normalised row, the product
+ * with the weight), so the kernel matches the reference it replaces.
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define LANES 8 /* independent partial sums: the compiler vectorizes them without reassociating */
 
@@ -42,5 +45,51 @@ void add_rms_norm(const float *x, const float *residual, const float *weight, fl
         float *sr = summed + r * dim;
         for (int64_t i = 0; i < dim; i++) sr[i] = residual[r * dim + i] + x[r * dim + i];
         scale_row(sr, weight, 1.0f / sqrtf(mean_square(sr, dim) + eps), dim, out + r * dim);
+    }
+}
+
+/* ---- bf16: stored as the top 16 bits of an fp32, rounded to nearest even ---- */
+typedef uint16_t bf16;
+
+static inline float from_bf16(bf16 v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline bf16 to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (bf16)((bits >> 16) | 0x0040u); /* quiet NaN */
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (bf16)(bits >> 16);
+}
+
+/* out = weight * bf16(row * inv), each product rounded to bf16. */
+static void scale_row_bf16(const float *row, const bf16 *weight, float inv, int64_t dim,
+                           bf16 *out) {
+    for (int64_t i = 0; i < dim; i++)
+        out[i] = to_bf16(from_bf16(weight[i]) * from_bf16(to_bf16(row[i] * inv)));
+}
+
+void rms_norm_bf16(const bf16 *x, const bf16 *weight, float eps, int64_t rows, int64_t dim,
+                   bf16 *out) {
+    float row[dim];
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < dim; i++) row[i] = from_bf16(x[r * dim + i]);
+        scale_row_bf16(row, weight, 1.0f / sqrtf(mean_square(row, dim) + eps), dim, out + r * dim);
+    }
+}
+
+void add_rms_norm_bf16(const bf16 *x, const bf16 *residual, const bf16 *weight, float eps,
+                       int64_t rows, int64_t dim, bf16 *summed, bf16 *out) {
+    float row[dim];
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < dim; i++) {
+            summed[r * dim + i] = to_bf16(from_bf16(residual[r * dim + i]) + from_bf16(x[r * dim + i]));
+            row[i] = from_bf16(summed[r * dim + i]);
+        }
+        scale_row_bf16(row, weight, 1.0f / sqrtf(mean_square(row, dim) + eps), dim, out + r * dim);
     }
 }

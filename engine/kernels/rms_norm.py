@@ -1,10 +1,10 @@
-"""RMSNorm (rms_norm.c), alone or after the residual add, for fp32 on the CPU.
+"""RMSNorm (rms_norm.c), alone or after the residual add, for fp32 and bf16 on the CPU.
 
 A decode step runs two norms and two residual adds per layer on a few rows of a few
-hundred values; torch spends more on dispatching its ops than on the arithmetic. The
-kernel does each norm, and the add before the block's second norm, in one call.
-Elsewhere (a GPU, bf16, no compiler) the torch path runs: `rms_norm_reference`,
-which the tests hold the kernel to.
+hundred values; torch spends more on dispatching its ops than on the arithmetic (in
+bf16 more still: each op converts). The kernel does each norm, and the add before
+the block's second norm, in one call. Elsewhere (a GPU, other dtypes, no compiler)
+the torch path runs: `rms_norm_reference`, which the tests hold the kernel to.
 """
 
 from __future__ import annotations
@@ -25,7 +25,11 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES: dict[str, native.Signature] = {
     "rms_norm": ([_P, _P, _F, _I, _I, _P], None),
     "add_rms_norm": ([_P, _P, _P, _F, _I, _I, _P, _P], None),
+    "rms_norm_bf16": ([_P, _P, _F, _I, _I, _P], None),
+    "add_rms_norm_bf16": ([_P, _P, _P, _F, _I, _I, _P, _P], None),
 }
+_SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}
+"""The kernel's entry points by dtype."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,7 +39,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     rows, dim = x.numel() // x.shape[-1], x.shape[-1]
-    _lib().rms_norm(x.data_ptr(), weight.data_ptr(), eps, rows, dim, out.data_ptr())
+    entry = getattr(_lib(), "rms_norm" + _SUFFIX[x.dtype])
+    entry(x.data_ptr(), weight.data_ptr(), eps, rows, dim, out.data_ptr())
     return out
 
 
@@ -49,8 +54,9 @@ def add_rms_norm(
     x, residual = x.contiguous(), residual.contiguous()
     summed, out = torch.empty_like(x), torch.empty_like(x)
     rows, dim = x.numel() // x.shape[-1], x.shape[-1]
-    _lib().add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, rows, dim,
-                        summed.data_ptr(), out.data_ptr())  # fmt: skip
+    entry = getattr(_lib(), "add_rms_norm" + _SUFFIX[x.dtype])
+    entry(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, rows, dim,
+          summed.data_ptr(), out.data_ptr())  # fmt: skip
     return out, summed
 
 
@@ -61,12 +67,14 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 def _takes(weight: torch.Tensor, *inputs: torch.Tensor) -> bool:
-    """The kernel applies: fp32 on the CPU, and no gradient to track (ctypes has none)."""
+    """The kernel applies: fp32 or bf16 throughout, on the CPU, and no gradient to track
+    (ctypes has none)."""
     tensors = (weight, *inputs)
     tracking = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     return (
         not tracking
-        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+        and weight.dtype in _SUFFIX
+        and all(t.device.type == "cpu" and t.dtype == weight.dtype for t in tensors)
         and weight.is_contiguous()
         and _lib() is not None
     )

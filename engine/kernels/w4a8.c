@@ -22,6 +22,11 @@
  * its low nibble and for input 8 c + 4 + j in its high nibble, so one load and two
  * masks give two registers of 8 rows x 4 inputs, the shape of maddubs + madd.
  * scales and zeros [K / G, N] fp32. out [M, N] fp32.
+ *
+ * VNNI. Where the compiler targets AVX-512 VNNI (with VL) or AVX-VNNI, each 4-product
+ * dot is one vpdpbusd; elsewhere it is AVX2's maddubs + madd + add. Both give the
+ * same exact int32 sums (no pair sum here can saturate maddubs' int16), so the
+ * outputs are bit for bit the same on either path.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -30,6 +35,16 @@
 
 #ifndef __AVX2__
 #error "the W4A8 kernel needs AVX2 (the engine falls back to its torch path)"
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HAS_VNNI 1
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#elif defined(__AVXVNNI__)
+#define HAS_VNNI 1
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#else
+#define HAS_VNNI 0
 #endif
 
 #define ROWS_PER_BLOCK 8
@@ -62,6 +77,20 @@ void w4a8_quantize(const float *x, int64_t m, int64_t k, int64_t group, int8_t *
     }
 }
 
+/* 1 where the dot products below run on VNNI, 0 on AVX2's multiply-adds. */
+int w4a8_uses_vnni(void) { return HAS_VNNI; }
+
+/* acc + per int32 lane the sum of 4 products unsigned u8 x signed s8. The caller keeps
+ * each pair sum within int16, so the AVX2 path's saturating maddubs never saturates. */
+static inline __m256i dot4_accumulate(__m256i acc, __m256i u, __m256i s) {
+#if HAS_VNNI
+    return DPBUSD(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
+
 static inline __m256i broadcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, sizeof v);
@@ -75,7 +104,6 @@ static inline __attribute__((always_inline)) void block_tile(
     const float *zeros, float *out, int64_t n, int64_t k, int64_t group, int64_t block,
     int64_t row0, int tile) {
     const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
     int64_t num_groups = k / group, chunks_per_group = group / INPUTS_PER_CHUNK;
     __m256 acc[MAX_TILE];
     for (int r = 0; r < tile; r++) acc[r] = _mm256_setzero_ps();
@@ -89,9 +117,8 @@ static inline __attribute__((always_inline)) void block_tile(
             for (int r = 0; r < tile; r++) {
                 const int8_t *xs = xq + (row0 + r) * k + ch * INPUTS_PER_CHUNK;
                 /* codes 0..15 times int8 codes: pair sums stay within int16 */
-                __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xs)),
-                                                 _mm256_maddubs_epi16(hi, broadcast4(xs + 4)));
-                dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
+                dot[r] = dot4_accumulate(dot[r], lo, broadcast4(xs));
+                dot[r] = dot4_accumulate(dot[r], hi, broadcast4(xs + 4));
             }
         }
         __m256 s = _mm256_loadu_ps(scales + g * n + block * ROWS_PER_BLOCK);
@@ -150,7 +177,6 @@ void w4a8_matmul(const int8_t *xq, const float *a, const int32_t *sums, const ui
 static inline __attribute__((always_inline)) void int8_block_tile(
     const int8_t *xq, const float *a, const int8_t *w, const float *scales, float *out,
     int64_t n, int64_t k, int64_t group, int64_t block, int64_t row0, int tile) {
-    const __m256i ones = _mm256_set1_epi16(1);
     int64_t num_groups = k / group, chunks_per_group = group / INT8_INPUTS_PER_CHUNK;
     __m256 acc[MAX_TILE];
     for (int r = 0; r < tile; r++) acc[r] = _mm256_setzero_ps();
@@ -163,8 +189,7 @@ static inline __attribute__((always_inline)) void int8_block_tile(
             for (int r = 0; r < tile; r++) {
                 const int8_t *xs = xq + (row0 + r) * k + ch * INT8_INPUTS_PER_CHUNK;
                 __m256i signed_x = _mm256_sign_epi8(broadcast4(xs), weights);
-                __m256i pairs = _mm256_maddubs_epi16(magnitude, signed_x);
-                dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
+                dot[r] = dot4_accumulate(dot[r], magnitude, signed_x);
             }
         }
         for (int r = 0; r < tile; r++) {

@@ -30,7 +30,10 @@ from engine.kernels.int4_mm import int4_dequantize, unpack_int4
 SOURCE = Path(__file__).with_name("w4a8.c")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC")
 """No -ffast-math: every float step stays in its written order, the same for a row
-computed alone or in a batch."""
+computed alone or in a batch. -march=native turns on the VNNI dot products where the
+CPU has them (see the C file)."""
+WITHOUT_VNNI_FLAGS = ("-mno-avx512vnni", "-mno-avxvnni")
+"""Added to the flags, they build the AVX2 path on a VNNI CPU (the tests compare both)."""
 ROWS_PER_BLOCK = 8
 INPUTS_PER_CHUNK = 8
 PARALLEL_MIN_BLOCKS = 64
@@ -41,6 +44,7 @@ _SIGNATURES: dict[str, native.Signature] = {
     "w4a8_quantize": ([_P, _I, _I, _I, _P, _P, _P], None),
     "w4a8_matmul": ([_P] * 7 + [_I] * 6, None),
     "w8a8_matmul": ([_P] * 5 + [_I] * 6, None),
+    "w4a8_uses_vnni": ([], ctypes.c_int),
 }
 INT8_INPUTS_PER_CHUNK = 4
 
@@ -69,6 +73,12 @@ class A8Weight:
 def available() -> bool:
     """The kernel is built for this CPU."""
     return _library() is not None
+
+
+def uses_vnni() -> bool:
+    """The kernel's dot products run on VNNI here (else on AVX2's multiply-adds)."""
+    lib = _library()
+    return lib is not None and bool(lib.w4a8_uses_vnni())
 
 
 def supports(out_features: int, in_features: int, group_size: int) -> bool:
@@ -187,5 +197,5 @@ def w8a8_mm_reference(
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    return native.load(SOURCE, COMPILE_FLAGS, _SIGNATURES)
+def _library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    return native.load(SOURCE, COMPILE_FLAGS + extra_flags, _SIGNATURES)

@@ -71,17 +71,19 @@ class AttentionGroup:
 class KernelGroup:
     """Short queries for the in-place CPU kernel: no padding, no gathered copy."""
 
-    token_index: torch.Tensor  # [G_T] packed-token rows this group computes
+    token_index: torch.Tensor | None  # [G_T] packed-token rows it computes; None: all, in order
     block_tables: torch.Tensor  # [B, max_blocks] 0-padded
     query_seq: torch.Tensor  # [G_T] row of block_tables each query reads
     visible: torch.Tensor  # [G_T] context positions each query sees
     block_size: int
+    thread_ranges: list[tuple[int, int]]
+    """The queries' split over threads, worked out once per step for every layer."""
 
     def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         """[G_T, H, D] outputs of this group's queries, read from the paged cache in place."""
         return kernels.paged_attention(
-            q[self.token_index], k_cache, v_cache, self.block_tables, self.query_seq,
-            self.visible, self.block_size,
+            q if self.token_index is None else q[self.token_index], k_cache, v_cache,
+            self.block_tables, self.query_seq, self.visible, self.block_size, self.thread_ranges,
         )  # fmt: skip
 
 
@@ -123,7 +125,9 @@ class AttentionMetadata:
         groups: list[AttentionGroup | KernelGroup] = []
         if short:
             groups.append(
-                _kernel_group(short, block_size) if in_place else _group(short, block_size, dtype)
+                _kernel_group(short, block_size, whole_batch=not long)
+                if in_place
+                else _group(short, block_size, dtype)
             )
         groups += [_group([s], block_size, dtype) for s in long]
         return cls(
@@ -180,19 +184,23 @@ def _group(seqs: list[_Seq], block_size: int, dtype: torch.dtype) -> AttentionGr
     )
 
 
-def _kernel_group(seqs: list[_Seq], block_size: int) -> KernelGroup:
+def _kernel_group(seqs: list[_Seq], block_size: int, whole_batch: bool) -> KernelGroup:
+    """The kernel's view of `seqs`; `whole_batch`: they are every sequence of the step."""
     q_lens = torch.tensor([s.q_len for s in seqs])
     query_seq = torch.arange(len(seqs)).repeat_interleave(q_lens)
     # Query j of a sequence with q_len new tokens sees all but its last q_len - 1 - j.
     offsets = torch.cat([torch.arange(s.q_len) for s in seqs])
     first_visible = torch.tensor([s.kv_len - s.q_len + 1 for s in seqs]).repeat_interleave(q_lens)
     max_blocks = -(-max(s.kv_len for s in seqs) // block_size)
+    token_index = torch.cat([torch.arange(s.start, s.start + s.q_len) for s in seqs])
+    visible = first_visible + offsets
     return KernelGroup(
-        token_index=torch.cat([torch.arange(s.start, s.start + s.q_len) for s in seqs]),
+        token_index=None if whole_batch else token_index,
         block_tables=_pad_tables([s.block_table for s in seqs], max_blocks),
         query_seq=query_seq,
-        visible=first_visible + offsets,
+        visible=visible,
         block_size=block_size,
+        thread_ranges=kernels.query_ranges(visible, torch.get_num_threads()),
     )
 
 
@@ -227,6 +235,8 @@ def paged_attention(
     """Write this step's K/V into the cache, then attend group by group."""
     k_cache[meta.slot_mapping] = k
     v_cache[meta.slot_mapping] = v
+    if len(meta.groups) == 1 and meta.groups[0].token_index is None:
+        return meta.groups[0].attend(q, k, v, k_cache, v_cache)  # every token, in order
     out = torch.empty_like(q)
     for group in meta.groups:
         out[group.token_index] = group.attend(q, k, v, k_cache, v_cache)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import rope
 from engine.kernels.rms_norm import add_rms_norm, rms_norm
 from engine.model.attention import AttentionMetadata, paged_attention
 
@@ -168,11 +169,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attention output [T, hidden] for packed tokens [T, hidden]."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        rotated = rope.rotate_in_place(qkv, *rotation, self.num_heads + self.num_kv_heads,
+                                       self.head_dim)  # fmt: skip
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotate(q, rotation), rotate(k, rotation)
+        if not rotated:
+            q, k = rotate(q, rotation), rotate(k, rotation)
         if meta is None or kv is None:
             out = _dense_causal_attention(q, k, v)
         else:
