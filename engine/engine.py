@@ -222,7 +222,10 @@ class LLMEngine:
             error = f"forward pass failed: {exc!r}"
             return RunnerOutput(failed=dict.fromkeys(scheduled.num_new_tokens, error))
         seconds = time.perf_counter() - start_s
-        self.step_cost.observe(len(scheduled.num_new_tokens), scheduled.total_tokens, seconds)
+        self.step_cost.observe(
+            len(scheduled.num_new_tokens), scheduled.total_tokens, seconds,
+            scheduled.attended_positions,
+        )  # fmt: skip
         return result
 
     def _record(self, scheduled: SchedulerOutput, result: RunnerOutput) -> None:

@@ -12,10 +12,14 @@ recomputed from scratch later (with luck, from the prefix cache).
 Requests may carry a time-per-token target (`Request.max_step_s`). Their
 decodes are scheduled first and always run; the rest of the step (prefill
 chunks, decodes without a target) is kept within the tightest target among
-them, predicted by the engine's fitted step cost: a chunk is cut to what
-fits (a target's own prefill never below MIN_PREFILL_CHUNK), and work without
-a target joins only as far as the step still fits, and not at all while a
-more urgent request with a target waits. This is what lets an interactive
+them, predicted by the engine's fitted step cost (which knows that a chunk
+late in a long prompt costs more than an early one: it reads more context).
+A chunk is cut to what fits; a target's own prefill is never cut below the
+tokens predicted to take as long as the rest of the step, so the prompt
+always moves and the streams beside it at most double their time per token,
+even on a machine too slow for the target. Work without a target joins only
+as far as the step still fits, and not at all while a more urgent request
+with a target waits. This is what lets an interactive
 request share a pool with a big batch, and a long prompt share a step with
 streams that are decoding.
 
@@ -44,11 +48,6 @@ if TYPE_CHECKING:
     from engine.spec_decode import Proposal
 
 
-MIN_PREFILL_CHUNK = 64
-"""Prompt tokens a request with a target computes per step at least, however tight the
-step: its first token must come, even on a machine too slow for its target."""
-
-
 @dataclass
 class SchedulerOutput:
     """What one step computes: the runner's whole input, and what `update` settles."""
@@ -63,6 +62,12 @@ class SchedulerOutput:
     def total_tokens(self) -> int:
         """Tokens this step computes across the batch."""
         return sum(self.num_new_tokens.values())
+
+    @property
+    def attended_positions(self) -> int:
+        """Context positions this step's tokens read, summed (a chunk's tokens each counted
+        at the chunk's end: the work of attention, up to a chunk's causal half)."""
+        return sum(n * (r.num_computed_tokens + n) for r, n in self.num_new_tokens.items())
 
 
 class Scheduler:
@@ -207,10 +212,12 @@ class Scheduler:
             return 0
         if targets.limit_s is None:
             return budget
-        in_time = self.step_cost.tokens_within(
-            targets.limit_s, len(out.num_new_tokens) + 1, out.total_tokens
-        )
-        floor = MIN_PREFILL_CHUNK if request.max_step_s is not None else 0
+        step = (len(out.num_new_tokens) + 1, out.total_tokens, out.attended_positions)
+        context = request.num_computed_tokens
+        in_time = self.step_cost.tokens_within(targets.limit_s, *step, context)
+        if request.max_step_s is None:
+            return min(budget, in_time)
+        floor = max(1, self.step_cost.tokens_in(self.step_cost.step_s(*step), context))
         return min(budget, max(in_time, floor))
 
     def _make_room_for_urgent(self, out: SchedulerOutput) -> None:

@@ -219,7 +219,9 @@ def report_decode_beside_prefill(config: EngineConfig, slo_tpot_ms: float) -> No
     """p95 inter-token latency of decodes alone and beside a long prefill, with the tier's
     target (chunks cut to it) and without (chunks of the whole token budget)."""
     torch.set_num_threads(config.num_threads or 1)
-    engine = LLMEngine(config)
+    # The prefix cache off: each run prefills the same long prompt, and a run after the
+    # first would otherwise find it cached and measure no prefill at all.
+    engine = LLMEngine(replace(config, enable_prefix_caching=False))
     extra = {"chunk_tokens": config.max_num_batched_tokens, "slo_tpot_ms": slo_tpot_ms}
     alone = decode_itl_ms(engine, with_long_prefill=False, max_step_s=None)
     emit(BENCH, "itl_ms.p95.decode_alone", percentile(alone, 95), "ms", **extra)

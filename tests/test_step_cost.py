@@ -22,6 +22,24 @@ def test_fit_recovers_a_known_cost_line():
     assert model.coefficients() == pytest.approx((0.03, 0.004, 0.0012), rel=0.02)
 
 
+def test_fit_recovers_the_attention_term_and_folds_it_into_the_token_cost():
+    model, rng = StepCostModel(), random.Random(2)
+    for _ in range(400):
+        num_seqs = rng.randint(1, 64)
+        chunk = rng.choice([0, 0, 128, 256])
+        context = rng.randint(1, 2000)
+        attended = num_seqs * context + chunk * (context + chunk)
+        seconds = 0.03 + 0.004 * num_seqs + 0.0012 * (num_seqs + chunk) + 2e-7 * attended
+        model.observe(num_seqs, num_seqs + chunk, seconds, attended)
+    assert model.step_s(8, 100, 50_000) == pytest.approx(
+        0.03 + 0.004 * 8 + 0.0012 * 100 + 2e-7 * 50_000, rel=0.02
+    )
+    assert model.tokens_in(0.1, context=1000) < model.tokens_in(0.1, context=0)
+    base, per_seq, per_token = model.coefficients()
+    assert (base, per_seq) == pytest.approx((0.03, 0.004), rel=0.05)
+    assert per_token > 0.0012  # a token's cost at the recent contexts includes its attention
+
+
 def test_decode_only_load_keeps_predicting_right_and_stays_finite():
     """Decode steps tie tokens to sequences: the split is unknowable, the sum must hold."""
     model, rng = StepCostModel(), random.Random(1)

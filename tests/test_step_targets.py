@@ -7,7 +7,7 @@ from test_scheduler import FakeModel, make_scheduler, scheduled
 
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import MIN_PREFILL_CHUNK, Scheduler
+from engine.scheduler import Scheduler
 from engine.step_cost import StepCostModel
 
 BASE_S, PER_SEQ_S, PER_TOKEN_S = 0.010, 0.001, 0.001
@@ -87,7 +87,7 @@ def test_a_long_prompt_beside_decoding_streams_is_cut_to_the_streams_target():
     scheduler.add(request("document", 400, priority=0, target_s=0.2))
     tokens = scheduled(model.step())
     assert {f"stream{i}" for i in range(3)} <= tokens.keys()
-    assert MIN_PREFILL_CHUNK <= tokens["document"] < 400
+    assert 0 < tokens["document"] < 400
     assert predicted_s(scheduler, tokens) <= 0.2 + 1e-3
 
 
@@ -97,4 +97,28 @@ def test_a_prefill_keeps_its_floor_when_the_target_is_out_of_reach():
     scheduler.add(request("stream", 2, priority=0, target_s=0.001))  # faster than any step
     model.step()
     scheduler.add(request("document", 400, priority=0, target_s=0.001))
-    assert scheduled(model.step()) == {"stream": 1, "document": MIN_PREFILL_CHUNK}
+    # The rest of the step: 10 ms base + 2 sequences + 1 token = 13 ms; a token costs 1 ms.
+    assert scheduled(model.step()) == {"stream": 1, "document": 13}
+
+
+def test_a_chunk_late_in_a_long_prompt_is_cut_shorter_than_an_early_one():
+    """Each prompt token reads its whole context: the fit's attention term shrinks later
+    chunks, so the streams beside the prompt keep their target all the way."""
+    scheduler = make_scheduler(num_blocks=512, max_num_seqs=4, max_num_batched_tokens=2048)
+    scheduler.step_cost = StepCostModel()
+    for num_seqs, num_tokens, attended in [(1, 1, 10), (4, 4, 4000), (1, 256, 70_000),
+                                           (2, 512, 400_000), (3, 100, 150_000)] * 20:  # fmt: skip
+        seconds = BASE_S + PER_SEQ_S * num_seqs + PER_TOKEN_S * num_tokens + 1e-7 * attended
+        scheduler.step_cost.observe(num_seqs, num_tokens, seconds, attended)
+    model = FakeModel(scheduler)
+    for i in range(3):
+        scheduler.add(request(f"stream{i}", 2, priority=0, target_s=0.2))
+    model.step()
+    scheduler.add(request("document", 1500, priority=0, target_s=0.2))
+    chunks: list[int] = []
+    while sum(chunks) < 1500:
+        tokens = scheduled(model.step())
+        assert {f"stream{i}" for i in range(3)} <= tokens.keys()
+        chunks.append(tokens["document"])
+    assert sum(chunks) == 1500
+    assert chunks[0] > chunks[len(chunks) // 2] > chunks[-2] > 0
