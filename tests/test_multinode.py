@@ -13,6 +13,7 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -48,6 +49,9 @@ def cluster() -> Iterator[tuple[Cluster, str, dict[str, str]]]:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     path = os.pathsep.join(str(p) for p in (REPO_ROOT, TESTS_DIR))
     env = {"RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    # Cluster.add_node writes the address file under Ray's default temp folder whatever the
+    # node's temp_dir, and fails on a machine where no Ray ever made that folder.
+    Path(tempfile.gettempdir(), "ray").mkdir(exist_ok=True)
     cluster = Cluster(
         initialize_head=True,
         head_node_args={

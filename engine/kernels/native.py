@@ -16,8 +16,11 @@ import os
 import platform
 import shutil
 import subprocess
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import torch
 
 from engine.config import default_cache_dir
 
@@ -51,6 +54,18 @@ def load(
     return library
 
 
+def takes(dtypes: Collection[torch.dtype], *tensors: torch.Tensor) -> bool:
+    """A kernel may take these tensors: all on the CPU, of one dtype among `dtypes`, and
+    none with a gradient to track (a ctypes call is invisible to autograd)."""
+    tracking = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    dtype = tensors[0].dtype
+    return (
+        not tracking
+        and dtype in dtypes
+        and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+    )
+
+
 @functools.cache
 def executor(num_threads: int) -> ThreadPoolExecutor:
     """Threads that run kernel calls side by side (each call releases the GIL)."""
@@ -69,9 +84,11 @@ def _cpu_identity() -> str:
 
 
 def _build(compiler: str, source: Path, compile_flags: tuple[str, ...]) -> Path:
-    """Compile once per source, flags and machine; later processes load the cached library."""
+    """Compile once per source (with the headers beside it), flags and machine; later
+    processes load the cached library."""
     flags = " ".join(compile_flags + LINK_FLAGS)
-    key = source.read_bytes() + flags.encode() + _cpu_identity().encode()
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = source.read_bytes() + headers + flags.encode() + _cpu_identity().encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
     target = default_cache_dir() / "kernels" / f"{source.stem}-{digest}.so"
     if not target.is_file():

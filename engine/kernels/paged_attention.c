@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 #define MAX_BLOCK 64
@@ -35,20 +37,6 @@ typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 
 static inline float load_f32(float x) { return x; }
 static inline float store_f32(float x) { return x; }
-
-static inline float load_bf16(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t store_bf16(float f) { /* round to nearest even */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* One query's running softmax state for one KV head: its query heads, scaled. */
 typedef struct {
@@ -246,4 +234,4 @@ static int64_t tile_length(const int64_t *query_seq, int64_t i, int64_t num_quer
     }
 
 DEFINE_PAGED_ATTENTION(paged_attention_f32, float, load_f32, store_f32, 1)
-DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, load_bf16, store_bf16, 0)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16, bf16, from_bf16, to_bf16, 0)

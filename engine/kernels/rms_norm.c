@@ -9,7 +9,8 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
+
+#include "bf16.h"
 
 #define LANES 8 /* independent partial sums: the compiler vectorizes them without reassociating */
 
@@ -48,23 +49,7 @@ void add_rms_norm(const float *x, const float *residual, const float *weight, fl
     }
 }
 
-/* ---- bf16: stored as the top 16 bits of an fp32, rounded to nearest even ---- */
-typedef uint16_t bf16;
-
-static inline float from_bf16(bf16 v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline bf16 to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (bf16)((bits >> 16) | 0x0040u); /* quiet NaN */
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (bf16)(bits >> 16);
-}
+/* ---- bf16 ---- */
 
 /* out = weight * bf16(row * inv), each product rounded to bf16. */
 static void scale_row_bf16(const float *row, const bf16 *weight, float inv, int64_t dim,

@@ -67,17 +67,8 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 def _takes(weight: torch.Tensor, *inputs: torch.Tensor) -> bool:
-    """The kernel applies: fp32 or bf16 throughout, on the CPU, and no gradient to track
-    (ctypes has none)."""
-    tensors = (weight, *inputs)
-    tracking = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return (
-        not tracking
-        and weight.dtype in _SUFFIX
-        and all(t.device.type == "cpu" and t.dtype == weight.dtype for t in tensors)
-        and weight.is_contiguous()
-        and _lib() is not None
-    )
+    """The kernel applies: fp32 or bf16 throughout, on the CPU, no gradient to track."""
+    return native.takes(_SUFFIX, weight, *inputs) and weight.is_contiguous() and _lib() is not None
 
 
 @functools.cache

@@ -14,26 +14,10 @@
  * torch's to the bit.
  */
 #include <stdint.h>
-#include <string.h>
+
+#include "bf16.h"
 
 #define MAX_HEAD_DIM 512
-
-typedef uint16_t bf16;
-
-static inline float from_bf16(bf16 v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline bf16 to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (bf16)((bits >> 16) | 0x0040u); /* quiet NaN */
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (bf16)(bits >> 16);
-}
 
 static inline float keep_f32(float f) { return f; }
 

@@ -47,16 +47,8 @@ def rotate_in_place(
 
 def _takes(x: torch.Tensor, *tables: torch.Tensor) -> bool:
     """One dtype the kernel has, on the CPU, rows laid out densely, no gradient to track."""
-    tensors = (x, *tables)
-    tracking = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return (
-        not tracking
-        and x.dtype in _ENTRY_POINTS
-        and all(t.device.type == "cpu" and t.dtype == x.dtype for t in tensors)
-        and x.dim() == 2
-        and x.stride(1) == 1
-        and _lib() is not None
-    )
+    dense_rows = x.dim() == 2 and x.stride(1) == 1
+    return native.takes(_ENTRY_POINTS, x, *tables) and dense_rows and _lib() is not None
 
 
 @functools.cache
