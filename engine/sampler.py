@@ -44,9 +44,7 @@ def sample(
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row of `logits` [N, V], and its log-probability under the raw model for
     the rows whose request asked for logprobs (None for the others: no softmax is spent)."""
-    # One batched call serves every plain greedy row. max's indices are argmax's (the first
-    # maximum), and on bf16 CPU logits several times faster than argmax.
-    argmax = logits.max(dim=-1).indices.tolist()
+    argmax = logits.argmax(dim=-1).tolist()  # one batched call serves every plain greedy row
     token_ids = [
         argmax[i] if _is_plain_greedy(row) else sample_row(logits[i], row)
         for i, row in enumerate(rows)

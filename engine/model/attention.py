@@ -192,10 +192,10 @@ def _kernel_group(seqs: list[_Seq], block_size: int, whole_batch: bool) -> Kerne
     offsets = torch.cat([torch.arange(s.q_len) for s in seqs])
     first_visible = torch.tensor([s.kv_len - s.q_len + 1 for s in seqs]).repeat_interleave(q_lens)
     max_blocks = -(-max(s.kv_len for s in seqs) // block_size)
-    token_index = torch.cat([torch.arange(s.start, s.start + s.q_len) for s in seqs])
     visible = first_visible + offsets
+    rows = None if whole_batch else [torch.arange(s.start, s.start + s.q_len) for s in seqs]
     return KernelGroup(
-        token_index=None if whole_batch else token_index,
+        token_index=None if rows is None else torch.cat(rows),
         block_tables=_pad_tables([s.block_table for s in seqs], max_blocks),
         query_seq=query_seq,
         visible=visible,
