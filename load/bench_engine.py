@@ -49,12 +49,18 @@ def run_tierserve(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) 
     """Output tok/s with every request submitted at once."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"bench-{i}", prompt, params)
+    num_tokens = run_to_completion(engine, prompts, params)
+    return num_tokens / (time.perf_counter() - start)
+
+
+def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> int:
+    """Submit every prompt at once and step until all are done; the output tokens made."""
+    for prompt in prompts:
+        engine.add_request(f"bench-{time.perf_counter_ns()}", prompt, params)
     num_tokens = 0
     while engine.has_unfinished():
         num_tokens += sum(len(o.new_token_ids) for o in engine.step())
-    return num_tokens / (time.perf_counter() - start)
+    return num_tokens
 
 
 def hf_generate(hf, batch: list[list[int]], max_tokens: int, pad_id: int) -> int:

@@ -22,6 +22,7 @@ from typing import Any
 
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from load.bench_engine import run_to_completion
 
 PEER_SCRIPT = Path(__file__).with_name("peer_vllm.py")
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_USE_AOT_COMPILE": "0"}
@@ -65,23 +66,13 @@ def run_tierserve(engine: LLMEngine, case: Case) -> Timing:
     """The case on tierserve's engine, in this process and its torch threads."""
     params = SamplingParams(max_tokens=case.max_tokens, temperature=0, ignore_eos=True)
     batches = case.batches()
-    _run_batch(engine, batches[0], params)  # warm-up at this case's shapes
+    run_to_completion(engine, batches[0], params)  # warm-up at this case's shapes
     seconds, tokens = [], 0
     for batch in batches:
         start = time.perf_counter()
-        tokens += _run_batch(engine, batch, params)
+        tokens += run_to_completion(engine, batch, params)
         seconds.append(time.perf_counter() - start)
     return Timing(seconds, tokens)
-
-
-def _run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> int:
-    """Submit every prompt, step until all are done; the output tokens made."""
-    for prompt in prompts:
-        engine.add_request(f"peer-{time.perf_counter_ns()}", prompt, params)
-    tokens = 0
-    while engine.has_unfinished():
-        tokens += sum(len(o.new_token_ids) for o in engine.step())
-    return tokens
 
 
 def run_vllm(
