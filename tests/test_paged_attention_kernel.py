@@ -94,3 +94,48 @@ def test_prefill_chunks_in_the_kernel_match_sdpa_and_split_over_threads_bit_for_
         torch.set_num_threads(threads)
     torch.testing.assert_close(outputs[0], sdpa, atol=1e-5, rtol=1e-5)
     assert torch.equal(outputs[0], outputs[1])  # the split changes no bit
+
+
+def _reference(q, k_cache, v_cache, table, visible, block_size):
+    """Each query's attention over its first `visible` positions, by torch in fp32."""
+    slots = torch.tensor([table[p // block_size] * block_size + p % block_size
+                          for p in range(int(visible.max()))])  # fmt: skip
+    keys, values = k_cache[slots].float(), v_cache[slots].float()  # [P, KVH, D]
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = torch.einsum("nhd,phd->nhp", q.float(), keys) * q.shape[-1] ** -0.5
+    hidden = torch.arange(scores.shape[-1])[None, :] >= visible[:, None]  # [N, P]
+    weights = scores.masked_fill(hidden[:, None, :], float("-inf")).softmax(-1)
+    return torch.einsum("nhp,phd->nhd", weights, values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "block"), [(16, 4), (24, 16), (64, 16), (80, 8)])
+def test_a_query_is_bit_for_bit_the_same_alone_or_in_a_chunk(dtype, head_dim, block):
+    """Head dims that leave a tail past the kernel's vectors, blocks its tiles split; the
+    chunk's queries each alone, as a decode would compute them, and against torch."""
+    gen = torch.Generator().manual_seed(head_dim)
+    cached, chunk = 11, 21  # 11 positions from the cache, then a chunk of 21 queries
+    table = torch.randperm(16, generator=gen)[: -(-(cached + chunk) // block)].tolist()
+    k_cache = torch.randn(16 * block, KV_HEADS, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(16 * block, KV_HEADS, head_dim, generator=gen).to(dtype)
+    q = torch.randn(chunk, HEADS, head_dim, generator=gen).to(dtype)
+    tables = torch.tensor([table])
+    visible = torch.arange(cached + 1, cached + chunk + 1)
+    together = kernels.paged_attention(
+        q, k_cache, v_cache, tables, torch.zeros(chunk, dtype=torch.long), visible, block
+    )
+    for i in range(chunk):
+        alone = kernels.paged_attention(
+            q[i : i + 1],
+            k_cache,
+            v_cache,
+            tables,
+            torch.zeros(1, dtype=torch.long),
+            visible[i : i + 1],
+            block,
+        )
+        assert torch.equal(alone, together[i : i + 1]), i
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    expected = _reference(q, k_cache, v_cache, table, visible, block)
+    torch.testing.assert_close(together.float(), expected, atol=tolerance, rtol=tolerance)

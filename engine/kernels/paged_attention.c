@@ -1,155 +1,300 @@
 /* Attention of queries over a paged KV cache, on the CPU: decodes, draft verification, and
  * (for batch invariance) prefill chunks.
  *
- * Reads each sequence's K/V blocks where they lie in the cache: the torch path
- * first gathers every context into a padded copy, and at 64 decoding sequences
- * that copy, not the arithmetic, was most of a step. One pass per KV head with an
- * online softmax in fp32; the query heads that share a KV head (grouped-query
- * attention) are served by the same pass over K and V.
+ * Reads each sequence's K/V rows where they lie in the cache (bf16 rows are widened to
+ * fp32 in registers): the torch path first gathers every context into a padded copy,
+ * and at 64 decoding sequences that copy, not the arithmetic, was most of a step.
  *
- * Consecutive queries of one sequence (a prefill chunk) form a tile that shares
- * each K/V block (converted to fp32 once, when the cache is bf16). Every query's arithmetic
- * is the same whatever its tile: `attend_block` folds one block into one
- * query's state, block after block in cache order, so a token's attention is
- * bit for bit the same computed alone (a decode) or in a chunk of any size.
+ * Work is done a tile at a time: up to TILE consecutive queries of one sequence (a
+ * prefill chunk; a decode is a tile of one) and one KV head. The tile's rows are the
+ * query heads of its queries that share that KV head (grouped-query attention), and
+ * all rows fold each K/V block into an online softmax in fp32 together, four rows by
+ * four keys in registers, so a block read once serves every row.
+ *
+ * Batch invariance: every row's arithmetic is the same whatever tile it is in. A score
+ * sums its products LANES dims at a time (with vdpbf16ps, two dims' products per lane,
+ * where the cache is bf16 and the CPU has AVX-512 BF16) and then across lanes in one
+ * fixed tree (`reduce4` sums four scores' lanes side by side, each in that tree); it is
+ * scaled after. A row's softmax
+ * covers the positions it sees, with the same vector chunks; positions a row does not
+ * see but its tile does get weight exactly 0, and adding 0 * v leaves a sum's bits as
+ * they were. The build has no -ffast-math (it would let the compiler reassociate those
+ * sums differently in different places); exp is the polynomial `vexp`, the same code for
+ * every row. So a token's attention is bit for bit the same computed alone (a decode)
+ * or in a chunk of any size.
  *
  * Layouts: q, out [num_queries, num_heads, head_dim]; k_cache, v_cache
  * [num_slots, num_kv_heads, head_dim], slot = block_id * block_size + offset;
  * block_tables [num_seqs, max_blocks]; query i belongs to sequence query_seq[i]
  * and sees context positions 0 .. visible[i] - 1.
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define LANES 16
+#else
+#define LANES 8
+#endif
+#if defined(__AVX512BF16__) && LANES == 16
+#define BF16_DOT 1 /* bf16 scores by vdpbf16ps: two dims' products per fp32 lane, no widening */
+#else
+#define BF16_DOT 0
+#endif
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 #define MAX_BLOCK 64
-#define LANES 8
 #define TILE 8 /* queries sharing each K/V block */
-/* Scores start from a finite floor (the build uses -ffast-math). */
-#define FLOOR -1e30f
+#define MAX_ROWS (TILE * MAX_GROUP)
+#define FLOOR -1e30f /* the score of a position a row does not see */
+#define INLINE static inline __attribute__((always_inline))
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
+typedef uint16_t hvec __attribute__((vector_size(LANES * sizeof(uint16_t))));
 
-static inline float load_f32(float x) { return x; }
-static inline float store_f32(float x) { return x; }
-
-/* One query's running softmax state for one KV head: its query heads, scaled. */
+/* The running softmax of a tile's rows (row = query in tile * group + head in group). */
 typedef struct {
-    float q[MAX_GROUP][MAX_HEAD_DIM];
-    float acc[MAX_GROUP][MAX_HEAD_DIM];
-    float run_max[MAX_GROUP];
-    float run_sum[MAX_GROUP];
-} QueryState;
+    float q[MAX_ROWS][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    bf16 q16[MAX_ROWS][MAX_HEAD_DIM] __attribute__((aligned(64))); /* as given, for BF16_DOT */
+    float scale; /* of every score */
+    float acc[MAX_ROWS][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float weight[MAX_ROWS][MAX_BLOCK] __attribute__((aligned(64))); /* scores, then exp */
+    float run_max[MAX_ROWS];
+    float run_sum[MAX_ROWS];
+} Tile;
 
-/* A block's keys and values for one KV head, in fp32: `k_row[p]`, `v_row[p]` point at
- * position p's key and value. An fp32 cache is read where it lies; a bf16 one is
- * converted into `k` and `v` first (a copy of an fp32 block cost a decode a fifth of
- * its time). */
+/* One KV head's rows of a block: `k[p]`, `v[p]` point at position p's key and value. */
 typedef struct {
-    float k[MAX_BLOCK][MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float v[MAX_BLOCK][MAX_HEAD_DIM] __attribute__((aligned(64)));
-    const float *k_row[MAX_BLOCK];
-    const float *v_row[MAX_BLOCK];
+    const void *k[MAX_BLOCK];
+    const void *v[MAX_BLOCK];
 } Block;
 
-static inline vec load_vec(const float *p) {
+INLINE vec load_f32(const float *p) {
     vec v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline float sum_lanes(vec v) {
+INLINE void store_f32(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+/* LANES elements of a cache row from dim d on, widened to fp32 when the cache is bf16. */
+INLINE vec load_row(const void *row, int64_t d, int is_bf16) {
+    if (!is_bf16) return load_f32((const float *)row + d);
+#if LANES == 16 /* one widening load; GCC splits the generic conversion in two */
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const bf16 *)row + d));
+    return (vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#else
+    hvec h;
+    memcpy(&h, (const bf16 *)row + d, sizeof h);
+    return (vec)(__builtin_convertvector(h, ivec) << 16);
+#endif
+}
+
+INLINE float load_one(const void *row, int64_t d, int is_bf16) {
+    return is_bf16 ? from_bf16(((const bf16 *)row)[d]) : ((const float *)row)[d];
+}
+
+/* e^x within a few ulp for x <= 0, exactly 0 below -87 (where fp32 has no normal result):
+ * x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^6, times 2^n. */
+INLINE vec vexp(vec x) {
+    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    vec n = (x * 1.44269504f + shifter) - shifter;
+    vec r = (x - n * 0.693359375f) - n * -2.12194440e-4f; /* ln 2 in two parts */
+    vec p = (vec){0} + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    ivec scale = (__builtin_convertvector(n, ivec) + 127) << 23;
+    vec result = p * (vec)scale;
+    return (vec)((ivec)result & (ivec)(x >= -87.0f));
+}
+
+/* Four vectors' lane sums, each by the tree lane i + lane i + half, half = LANES / 2, ..., 1
+ * (the same adds whichever vectors share the call). */
+INLINE vec4 reduce4(vec a0, vec a1, vec a2, vec a3) {
+#if LANES == 16
+    vec x01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+              __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    vec x23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+              __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    vec y = __builtin_shufflevector(x01, x23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+            __builtin_shufflevector(x01, x23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    vec z = __builtin_shufflevector(y, y, 0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13) +
+            __builtin_shufflevector(y, y, 2, 3, 6, 7, 10, 11, 14, 15, 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(z, z, 0, 2, 4, 6) + __builtin_shufflevector(z, z, 1, 3, 5, 7);
+#else
+    vec x01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) +
+              __builtin_shufflevector(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15);
+    vec x23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 8, 9, 10, 11) +
+              __builtin_shufflevector(a2, a3, 4, 5, 6, 7, 12, 13, 14, 15);
+    vec y = __builtin_shufflevector(x01, x23, 0, 1, 4, 5, 8, 9, 12, 13) +
+            __builtin_shufflevector(x01, x23, 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(y, y, 0, 2, 4, 6) + __builtin_shufflevector(y, y, 1, 3, 5, 7);
+#endif
+}
+
+INLINE float reduce1(vec a) { return reduce4(a, a, a, a)[0]; }
+
+/* q . k over dims [from, to), past the last whole vector. One compiled copy for every
+ * score: inlined, the compiler vectorized it across four keys in some places and not in
+ * others, and fused its multiply-adds differently there. */
+__attribute__((noinline)) static float tail_dot(const float *q, const void *k, int64_t from,
+                                                int64_t to, int is_bf16) {
     float total = 0.0f;
-    for (int lane = 0; lane < LANES; lane++) total += v[lane];
+    for (int64_t d = from; d < to; d++) total += q[d] * load_one(k, d, is_bf16);
     return total;
 }
 
-/* q . k_p from the dims past the last full vector (none when head_dim is a multiple of
- * LANES, as in every model served here). */
-static inline float tail_dot(const float *q, const float *k, int64_t from, int64_t head_dim) {
-    float total = 0.0f;
-    for (int64_t d = from; d < head_dim; d++) total += q[d] * k[d];
-    return total;
+/* weight[r][p] = q_r . k_p for ROWS rows from r0 and KEYS (4 or 1) positions from p0. */
+INLINE void score_tile(Tile *t, int64_t r0, int rows, const Block *b, int64_t p0, int keys,
+                       int64_t head_dim, int is_bf16) {
+    vec acc[4][4] = {{{0}}};
+    int dot16 = BF16_DOT && is_bf16;
+    int64_t step = dot16 ? 2 * LANES : LANES;
+    int64_t full = head_dim - head_dim % step;
+    for (int64_t d = 0; d < full; d += step) {
+#if BF16_DOT
+        if (dot16) {
+            __m512bh k[4];
+            _Pragma("GCC unroll 4") for (int j = 0; j < keys; j++)
+                k[j] = (__m512bh)_mm512_loadu_si512((const bf16 *)b->k[p0 + j] + d);
+            _Pragma("GCC unroll 4") for (int i = 0; i < rows; i++) {
+                __m512bh q = (__m512bh)_mm512_load_si512(&t->q16[r0 + i][d]);
+                _Pragma("GCC unroll 4") for (int j = 0; j < keys; j++)
+                    acc[i][j] = (vec)_mm512_dpbf16_ps((__m512)acc[i][j], q, k[j]);
+            }
+            continue;
+        }
+#endif
+        vec k[4];
+        _Pragma("GCC unroll 4") for (int j = 0; j < keys; j++) k[j] = load_row(b->k[p0 + j], d, is_bf16);
+        _Pragma("GCC unroll 4") for (int i = 0; i < rows; i++) {
+            vec q = load_f32(&t->q[r0 + i][d]);
+            _Pragma("GCC unroll 4") for (int j = 0; j < keys; j++) acc[i][j] += q * k[j];
+        }
+    }
+    _Pragma("GCC unroll 4") for (int i = 0; i < rows; i++) {
+        float *score = &t->weight[r0 + i][p0];
+        vec4 sums = {0};
+        if (keys == 4)
+            sums = reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+        else
+            sums[0] = reduce1(acc[i][0]);
+        for (int j = 0; j < keys && full < head_dim; j++)
+            sums[j] += tail_dot(t->q[r0 + i], b->k[p0 + j], full, head_dim, is_bf16);
+        sums *= t->scale;
+        memcpy(score, &sums, keys * sizeof(float));
+    }
 }
 
-/* score[p] = q . k_p for the block's positions: four positions at a time, each summed
- * LANES dims at a time and then across lanes, in a fixed order (every query sums the
- * same way; the four independent chains keep the FMA units busy). */
-static void block_scores(const float *q, const Block *b, int64_t head_dim, int64_t n,
-                         float *score) {
-    int64_t full = head_dim - head_dim % LANES;
+/* acc[r] += sum_p weight[r][p] * v_p over the block's n positions in order, for ROWS rows
+ * from r0 and VECS vectors of dims from d0 (held in registers across the positions). */
+INLINE void accumulate_tile(Tile *t, int64_t r0, int rows, const Block *b, int64_t n,
+                            int64_t d0, int vecs, int is_bf16) {
+    vec acc[4][4];
+    _Pragma("GCC unroll 4") for (int i = 0; i < rows; i++)
+        _Pragma("GCC unroll 4") for (int c = 0; c < vecs; c++) acc[i][c] = load_f32(&t->acc[r0 + i][d0 + c * LANES]);
+    for (int64_t p = 0; p < n; p++) {
+        vec v[4];
+        _Pragma("GCC unroll 4") for (int c = 0; c < vecs; c++) v[c] = load_row(b->v[p], d0 + c * LANES, is_bf16);
+        _Pragma("GCC unroll 4") for (int i = 0; i < rows; i++) {
+            float w = t->weight[r0 + i][p];
+            _Pragma("GCC unroll 4") for (int c = 0; c < vecs; c++) acc[i][c] += w * v[c];
+        }
+    }
+    _Pragma("GCC unroll 4") for (int i = 0; i < rows; i++)
+        _Pragma("GCC unroll 4") for (int c = 0; c < vecs; c++) store_f32(&t->acc[r0 + i][d0 + c * LANES], acc[i][c]);
+}
+
+/* Scores of `rows` rows from r0 against the block's n positions, four keys at a time. */
+INLINE void score_rows(Tile *t, int64_t r0, int rows, const Block *b, int64_t n,
+                       int64_t head_dim, int is_bf16) {
     int64_t p = 0;
-    for (; p + 4 <= n; p += 4) {
-        vec c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
-        for (int64_t d = 0; d < full; d += LANES) {
-            vec qd = load_vec(&q[d]);
-            c0 += qd * load_vec(&b->k_row[p][d]);
-            c1 += qd * load_vec(&b->k_row[p + 1][d]);
-            c2 += qd * load_vec(&b->k_row[p + 2][d]);
-            c3 += qd * load_vec(&b->k_row[p + 3][d]);
-        }
-        score[p] = sum_lanes(c0) + tail_dot(q, b->k_row[p], full, head_dim);
-        score[p + 1] = sum_lanes(c1) + tail_dot(q, b->k_row[p + 1], full, head_dim);
-        score[p + 2] = sum_lanes(c2) + tail_dot(q, b->k_row[p + 2], full, head_dim);
-        score[p + 3] = sum_lanes(c3) + tail_dot(q, b->k_row[p + 3], full, head_dim);
-    }
-    for (; p < n; p++) {
-        vec c = {0};
-        for (int64_t d = 0; d < full; d += LANES) c += load_vec(&q[d]) * load_vec(&b->k_row[p][d]);
-        score[p] = sum_lanes(c) + tail_dot(q, b->k_row[p], full, head_dim);
-    }
+    for (; p + 4 <= n; p += 4) score_tile(t, r0, rows, b, p, 4, head_dim, is_bf16);
+    for (; p < n; p++) score_tile(t, r0, rows, b, p, 1, head_dim, is_bf16);
 }
 
-/* acc += sum_p weight[p] * v_p, over the positions in order, LANES dims at a time with the
- * running sums held in registers (four vectors of dims per pass). */
-static void accumulate_values(float *acc, const float *weight, const Block *b,
-                              int64_t head_dim, int64_t n) {
-    int64_t d0 = 0;
-    for (; d0 + 4 * LANES <= head_dim; d0 += 4 * LANES) {
-        vec a0 = load_vec(&acc[d0]), a1 = load_vec(&acc[d0 + LANES]);
-        vec a2 = load_vec(&acc[d0 + 2 * LANES]), a3 = load_vec(&acc[d0 + 3 * LANES]);
-        for (int64_t p = 0; p < n; p++) {
-            const float *v = &b->v_row[p][d0];
-            a0 += weight[p] * load_vec(v);
-            a1 += weight[p] * load_vec(v + LANES);
-            a2 += weight[p] * load_vec(v + 2 * LANES);
-            a3 += weight[p] * load_vec(v + 3 * LANES);
-        }
-        memcpy(&acc[d0], &a0, sizeof a0);
-        memcpy(&acc[d0 + LANES], &a1, sizeof a1);
-        memcpy(&acc[d0 + 2 * LANES], &a2, sizeof a2);
-        memcpy(&acc[d0 + 3 * LANES], &a3, sizeof a3);
-    }
-    for (; d0 < head_dim; d0++)
-        for (int64_t p = 0; p < n; p++) acc[d0] += weight[p] * b->v_row[p][d0];
+/* Scores of every row against the block's n positions, four rows by four keys at a time. */
+INLINE void score_block(Tile *t, int64_t num_rows, const Block *b, int64_t n, int64_t head_dim,
+                        int is_bf16) {
+    int64_t r = 0;
+    for (; r + 4 <= num_rows; r += 4) score_rows(t, r, 4, b, n, head_dim, is_bf16);
+    int rest = (int)(num_rows - r);
+    if (rest == 3) score_rows(t, r, 3, b, n, head_dim, is_bf16);
+    if (rest == 2) score_rows(t, r, 2, b, n, head_dim, is_bf16);
+    if (rest == 1) score_rows(t, r, 1, b, n, head_dim, is_bf16);
 }
 
-/* Fold n positions of a block into one query's state. Softmax weights and the V sum are
- * computed a block at a time, so the running maximum is rescaled once per block. */
-static void attend_block(QueryState *s, int64_t group, int64_t head_dim, const Block *b,
-                         int64_t n) {
-    float score[MAX_BLOCK] __attribute__((aligned(64)));
-    for (int64_t h = 0; h < group; h++) {
-        block_scores(s->q[h], b, head_dim, n, score);
-        float block_max = FLOOR;
-        for (int64_t p = 0; p < n; p++) block_max = score[p] > block_max ? score[p] : block_max;
-        if (block_max > s->run_max[h]) { /* rescale what was summed so far */
-            float shrink = expf(s->run_max[h] - block_max);
-            s->run_sum[h] *= shrink;
-            for (int64_t d = 0; d < head_dim; d++) s->acc[h][d] *= shrink;
-            s->run_max[h] = block_max;
-        }
-        for (int64_t p = 0; p < n; p++) {
-            score[p] = expf(score[p] - s->run_max[h]);
-            s->run_sum[h] += score[p];
-        }
-        accumulate_values(s->acc[h], score, b, head_dim, n);
+/* Row r's scores over the `seen` positions it sees become softmax weights against its running
+ * maximum (what was summed before is rescaled when the maximum grows); weights of the
+ * block's other positions, up to n, are 0. */
+INLINE void softmax_row(Tile *t, int64_t r, int64_t head_dim, int64_t seen, int64_t n) {
+    float *w = t->weight[r];
+    int64_t chunks = (seen + LANES - 1) / LANES;
+    for (int64_t p = seen; p < chunks * LANES; p++) w[p] = FLOOR;
+    vec maxima = (vec){0} + FLOOR;
+    for (int64_t c = 0; c < chunks; c++) {
+        vec chunk = load_f32(&w[c * LANES]);
+        ivec greater = (ivec)(chunk > maxima); /* C has no vector ?: */
+        maxima = (vec)(((ivec)chunk & greater) | ((ivec)maxima & ~greater));
     }
+    float block_max = FLOOR;
+    for (int lane = 0; lane < LANES; lane++) block_max = maxima[lane] > block_max ? maxima[lane] : block_max;
+    if (block_max > t->run_max[r]) {
+        float shrink = vexp((vec){0} + (t->run_max[r] - block_max))[0];
+        t->run_sum[r] *= shrink;
+        for (int64_t d = 0; d < head_dim; d++) t->acc[r][d] *= shrink;
+        t->run_max[r] = block_max;
+    }
+    vec total = {0};
+    for (int64_t c = 0; c < chunks; c++) {
+        vec e = vexp(load_f32(&w[c * LANES]) - t->run_max[r]);
+        store_f32(&w[c * LANES], e);
+        total += e;
+    }
+    t->run_sum[r] += reduce1(total);
+    for (int64_t p = chunks * LANES; p < n; p++) w[p] = 0.0f;
+}
+
+/* The block's values into the sums of `rows` rows from r0, over the first `full` dims. */
+INLINE void accumulate_rows(Tile *t, int64_t r0, int rows, const Block *b, int64_t n,
+                            int64_t full, int is_bf16) {
+    int64_t d = 0;
+    for (; d + 4 * LANES <= full; d += 4 * LANES) accumulate_tile(t, r0, rows, b, n, d, 4, is_bf16);
+    for (; d < full; d += LANES) accumulate_tile(t, r0, rows, b, n, d, 1, is_bf16);
+}
+
+/* The block's values into every row's sum, four rows at a time, 4 * LANES dims at a time. */
+INLINE void accumulate_block(Tile *t, int64_t num_rows, const Block *b, int64_t n,
+                             int64_t head_dim, int is_bf16) {
+    int64_t full = head_dim - head_dim % LANES;
+    int64_t r = 0;
+    for (; r + 4 <= num_rows; r += 4) accumulate_rows(t, r, 4, b, n, full, is_bf16);
+    int rest = (int)(num_rows - r);
+    if (rest == 3) accumulate_rows(t, r, 3, b, n, full, is_bf16);
+    if (rest == 2) accumulate_rows(t, r, 2, b, n, full, is_bf16);
+    if (rest == 1) accumulate_rows(t, r, 1, b, n, full, is_bf16);
+    for (r = 0; r < num_rows; r++)
+        for (int64_t d = full; d < head_dim; d++)
+            for (int64_t p = 0; p < n; p++)
+                t->acc[r][d] += t->weight[r][p] * load_one(b->v[p], d, is_bf16);
+}
+
+/* This thread's tile, allocated at its first call and kept: a fresh one per call came from
+ * mmap, and faulting its pages in cost a decode step more than its arithmetic. */
+static Tile *thread_tile(void) {
+    static __thread Tile *tile = NULL;
+    if (tile == NULL) tile = aligned_alloc(64, sizeof(Tile));
+    return tile;
 }
 
 /* The length of the tile starting at query i: consecutive queries of one sequence. */
@@ -159,79 +304,93 @@ static int64_t tile_length(const int64_t *query_seq, int64_t i, int64_t num_quer
     return len;
 }
 
-/* IN_PLACE: T is float, and the cache's rows are read where they lie. */
-#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, IN_PLACE)                                 \
-    int NAME(const T *q, const T *k_cache, const T *v_cache, T *out,                          \
+/* The tile's rows for KV head g: its queries' heads g * group .. (g + 1) * group - 1, scaled. */
+INLINE void start_tile(Tile *t, const void *q, int64_t i, int64_t len, int64_t g, int64_t group,
+                       int64_t num_heads, int64_t head_dim, float scale, int is_bf16) {
+    t->scale = scale;
+    for (int64_t r = 0; r < len * group; r++) {
+        int64_t head = (i + r / group) * num_heads + g * group + r % group;
+        for (int64_t d = 0; d < head_dim; d++) {
+            t->q[r][d] = load_one((const char *)q + head * head_dim * (is_bf16 ? 2 : 4), d, is_bf16);
+            if (BF16_DOT && is_bf16) t->q16[r][d] = ((const bf16 *)q)[head * head_dim + d];
+            t->acc[r][d] = 0.0f;
+        }
+        t->run_max[r] = FLOOR;
+        t->run_sum[r] = 0.0f;
+    }
+}
+
+INLINE void finish_tile(const Tile *t, void *out, int64_t i, int64_t len, int64_t g,
+                        int64_t group, int64_t num_heads, int64_t head_dim, int is_bf16) {
+    for (int64_t r = 0; r < len * group; r++) {
+        int64_t head = (i + r / group) * num_heads + g * group + r % group;
+        for (int64_t d = 0; d < head_dim; d++) {
+            float value = t->acc[r][d] / t->run_sum[r];
+            if (is_bf16)
+                ((bf16 *)out)[head * head_dim + d] = to_bf16(value);
+            else
+                ((float *)out)[head * head_dim + d] = value;
+        }
+    }
+}
+
+/* One tile and KV head, block by block up to the farthest position a query of it sees. */
+INLINE void attend_tile(Tile *t, Block *b, const char *k_cache, const char *v_cache,
+                        const int64_t *table, const int64_t *visible, int64_t len, int64_t g,
+                        int64_t group, int64_t num_kv_heads, int64_t head_dim,
+                        int64_t block_size, int is_bf16) {
+    int64_t row_bytes = head_dim * (is_bf16 ? 2 : 4);
+    int64_t max_visible = 0;
+    for (int64_t q = 0; q < len; q++) max_visible = visible[q] > max_visible ? visible[q] : max_visible;
+    for (int64_t start = 0; start < max_visible; start += block_size) {
+        int64_t n = max_visible - start < block_size ? max_visible - start : block_size;
+        int64_t base = table[start / block_size] * block_size;
+        for (int64_t p = 0; p < n; p++) {
+            b->k[p] = k_cache + ((base + p) * num_kv_heads + g) * row_bytes;
+            b->v[p] = v_cache + ((base + p) * num_kv_heads + g) * row_bytes;
+        }
+        score_block(t, len * group, b, n, head_dim, is_bf16);
+        for (int64_t r = 0; r < len * group; r++) {
+            int64_t seen = visible[r / group] - start;
+            softmax_row(t, r, head_dim, seen < 0 ? 0 : seen < n ? seen : n, n);
+        }
+        accumulate_block(t, len * group, b, n, head_dim, is_bf16);
+    }
+}
+
+INLINE int paged_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                           const int64_t *block_tables, int64_t max_blocks,
+                           const int64_t *query_seq, const int64_t *visible,
+                           int64_t num_queries, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, float scale, int is_bf16) {
+    int64_t group = num_heads / num_kv_heads;
+    if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
+    Tile *t = thread_tile();
+    if (t == NULL) return -2;
+    Block b;
+    for (int64_t i = 0; i < num_queries;) {
+        int64_t len = tile_length(query_seq, i, num_queries);
+        const int64_t *table = block_tables + query_seq[i] * max_blocks;
+        for (int64_t g = 0; g < num_kv_heads; g++) {
+            start_tile(t, q, i, len, g, group, num_heads, head_dim, scale, is_bf16);
+            attend_tile(t, &b, k_cache, v_cache, table, visible + i, len, g, group, num_kv_heads,
+                        head_dim, block_size, is_bf16);
+            finish_tile(t, out, i, len, g, group, num_heads, head_dim, is_bf16);
+        }
+        i += len;
+    }
+    return 0;
+}
+
+#define ENTRY_POINT(NAME, IS_BF16)                                                             \
+    int NAME(const void *q, const void *k_cache, const void *v_cache, void *out,              \
              const int64_t *block_tables, int64_t max_blocks, const int64_t *query_seq,       \
              const int64_t *visible, int64_t num_queries, int64_t num_heads,                  \
              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {       \
-        int64_t group = num_heads / num_kv_heads;                                             \
-        if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK) return -1; \
-        QueryState *states = malloc(TILE * sizeof(QueryState));                               \
-        Block *b = aligned_alloc(64, sizeof(Block));                                          \
-        if (states == NULL || b == NULL) {                                                    \
-            free(states);                                                                     \
-            free(b);                                                                          \
-            return -2;                                                                        \
-        }                                                                                     \
-        for (int64_t i = 0; i < num_queries;) {                                               \
-            int64_t len = tile_length(query_seq, i, num_queries);                             \
-            const int64_t *table = block_tables + query_seq[i] * max_blocks;                  \
-            int64_t max_visible = 0;                                                          \
-            for (int64_t t = 0; t < len; t++)                                                 \
-                max_visible = visible[i + t] > max_visible ? visible[i + t] : max_visible;    \
-            for (int64_t g = 0; g < num_kv_heads; g++) {                                      \
-                for (int64_t t = 0; t < len; t++) {                                           \
-                    QueryState *s = &states[t];                                               \
-                    for (int64_t h = 0; h < group; h++) {                                     \
-                        const T *qh = q + ((i + t) * num_heads + g * group + h) * head_dim;   \
-                        for (int64_t d = 0; d < head_dim; d++) {                              \
-                            s->q[h][d] = LOAD(qh[d]) * scale;                                 \
-                            s->acc[h][d] = 0.0f;                                              \
-                        }                                                                     \
-                        s->run_max[h] = FLOOR;                                                \
-                        s->run_sum[h] = 0.0f;                                                 \
-                    }                                                                         \
-                }                                                                             \
-                for (int64_t start = 0; start < max_visible; start += block_size) {            \
-                    int64_t n = max_visible - start < block_size ? max_visible - start : block_size; \
-                    int64_t base = table[start / block_size] * block_size;                    \
-                    for (int64_t p = 0; p < n; p++) {                                         \
-                        const T *kp = k_cache + ((base + p) * num_kv_heads + g) * head_dim;   \
-                        const T *vp = v_cache + ((base + p) * num_kv_heads + g) * head_dim;   \
-                        if (IN_PLACE) {                                                       \
-                            b->k_row[p] = (const float *)kp;                                  \
-                            b->v_row[p] = (const float *)vp;                                  \
-                            continue;                                                         \
-                        }                                                                     \
-                        for (int64_t d = 0; d < head_dim; d++) {                              \
-                            b->k[p][d] = LOAD(kp[d]);                                         \
-                            b->v[p][d] = LOAD(vp[d]);                                         \
-                        }                                                                     \
-                        b->k_row[p] = b->k[p];                                                \
-                        b->v_row[p] = b->v[p];                                                \
-                    }                                                                         \
-                    for (int64_t t = 0; t < len; t++) {                                       \
-                        int64_t seen = visible[i + t] - start; /* this query's part */        \
-                        if (seen > 0)                                                         \
-                            attend_block(&states[t], group, head_dim, b, seen < n ? seen : n); \
-                    }                                                                         \
-                }                                                                             \
-                for (int64_t t = 0; t < len; t++) {                                           \
-                    QueryState *s = &states[t];                                               \
-                    for (int64_t h = 0; h < group; h++) {                                     \
-                        T *oh = out + ((i + t) * num_heads + g * group + h) * head_dim;       \
-                        for (int64_t d = 0; d < head_dim; d++)                                \
-                            oh[d] = STORE(s->acc[h][d] / s->run_sum[h]);                      \
-                    }                                                                         \
-                }                                                                             \
-            }                                                                                 \
-            i += len;                                                                         \
-        }                                                                                     \
-        free(states);                                                                         \
-        free(b);                                                                              \
-        return 0;                                                                             \
+        return paged_attention(q, k_cache, v_cache, out, block_tables, max_blocks, query_seq, \
+                               visible, num_queries, num_heads, num_kv_heads, head_dim,       \
+                               block_size, scale, IS_BF16);                                   \
     }
 
-DEFINE_PAGED_ATTENTION(paged_attention_f32, float, load_f32, store_f32, 1)
-DEFINE_PAGED_ATTENTION(paged_attention_bf16, bf16, from_bf16, to_bf16, 0)
+ENTRY_POINT(paged_attention_f32, 0)
+ENTRY_POINT(paged_attention_bf16, 1)

@@ -18,12 +18,9 @@ import torch
 from engine.kernels import native
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
-COMPILE_FLAGS = (
-    # -ffast-math lets the compiler vectorize the dot products (reassociation) and the
-    # exponentials (glibc's vector expf, from libmvec through -lm); the kernel keeps
-    # every value finite, as fast-math assumes.
-    "-O3", "-march=native", "-ffast-math", "-fPIC",
-)  # fmt: skip
+COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC")
+"""No -ffast-math: it would let the compiler reorder sums differently where rows share a
+tile than where a row is alone, and batch invariance needs them the same."""
 PARALLEL_MIN_QUERIES = 32
 """Fewer queries than this run on the calling thread: a hand-off costs more than it saves."""
 _ENTRY_POINTS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
