@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -71,6 +73,16 @@ def test_loading_the_kernel_keeps_subnormal_floats():
     """A library linked with -ffast-math would switch the process to flush-to-zero."""
     assert kernels.available(torch.float32)
     assert (torch.tensor([1e-40]) * 1.0).item() != 0.0  # a float32 subnormal
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
+def test_the_kernel_threads_are_torchs_own_openmp_threads():
+    """Its libgomp.so.1 resolves to the runtime torch loaded: no second thread pool spinning
+    beside torch's on the same cores."""
+    assert kernels.available(torch.float32)
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(runtimes) == 1, runtimes
 
 
 def test_prefill_chunks_in_the_kernel_match_sdpa_and_split_over_threads_bit_for_bit():

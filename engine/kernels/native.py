@@ -9,7 +9,6 @@ the caller keeps to its torch path, which is also the reference its tests use.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -17,7 +16,6 @@ import platform
 import shutil
 import subprocess
 from collections.abc import Collection
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -26,9 +24,14 @@ from engine.config import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-LINK_FLAGS = ("-shared", "-lm")
+LINK_FLAGS = ("-shared", "-lm", "-fopenmp")
 """Linked in a separate step without -ffast-math: linking with it would add crtfastmath,
-whose constructor switches the whole process to flush-denormals-to-zero."""
+whose constructor switches the whole process to flush-denormals-to-zero.
+
+-fopenmp links libgomp.so.1, and the loader resolves that name to the copy torch has
+loaded already: a kernel's `omp parallel` runs on torch's own intra-op threads. Threads
+of our own (a Python thread pool, as before) ran beside torch's, which keep spinning for
+a while after each matmul: on two cores, two-thread attention ran no faster than one."""
 
 Signature = tuple[list[type], type]
 """A C function's ctypes argument types and return type."""
@@ -64,12 +67,6 @@ def takes(dtypes: Collection[torch.dtype], *tensors: torch.Tensor) -> bool:
         and dtype in dtypes
         and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
     )
-
-
-@functools.cache
-def executor(num_threads: int) -> ThreadPoolExecutor:
-    """Threads that run kernel calls side by side (each call releases the GIL)."""
-    return ThreadPoolExecutor(num_threads, thread_name_prefix="native-kernel")
 
 
 def _cpu_identity() -> str:

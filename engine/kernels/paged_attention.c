@@ -304,7 +304,7 @@ static int64_t tile_length(const int64_t *query_seq, int64_t i, int64_t num_quer
     return len;
 }
 
-/* The tile's rows for KV head g: its queries' heads g * group .. (g + 1) * group - 1, scaled. */
+/* The tile's rows for KV head g: its queries' heads g * group .. (g + 1) * group - 1. */
 INLINE void start_tile(Tile *t, const void *q, int64_t i, int64_t len, int64_t g, int64_t group,
                        int64_t num_heads, int64_t head_dim, float scale, int is_bf16) {
     t->scale = scale;
@@ -358,18 +358,18 @@ INLINE void attend_tile(Tile *t, Block *b, const char *k_cache, const char *v_ca
     }
 }
 
-INLINE int paged_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
-                           const int64_t *block_tables, int64_t max_blocks,
-                           const int64_t *query_seq, const int64_t *visible,
-                           int64_t num_queries, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, float scale, int is_bf16) {
+/* Queries [from, to) on this thread. */
+INLINE int attend_queries(const void *q, const void *k_cache, const void *v_cache, void *out,
+                          const int64_t *block_tables, int64_t max_blocks,
+                          const int64_t *query_seq, const int64_t *visible, int64_t from,
+                          int64_t to, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size, float scale, int is_bf16) {
     int64_t group = num_heads / num_kv_heads;
-    if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
     Tile *t = thread_tile();
-    if (t == NULL) return -2;
+    if (t == NULL) return 1;
     Block b;
-    for (int64_t i = 0; i < num_queries;) {
-        int64_t len = tile_length(query_seq, i, num_queries);
+    for (int64_t i = from; i < to;) {
+        int64_t len = tile_length(query_seq, i, to);
         const int64_t *table = block_tables + query_seq[i] * max_blocks;
         for (int64_t g = 0; g < num_kv_heads; g++) {
             start_tile(t, q, i, len, g, group, num_heads, head_dim, scale, is_bf16);
@@ -382,14 +382,35 @@ INLINE int paged_attention(const void *q, const void *k_cache, const void *v_cac
     return 0;
 }
 
+/* Every query, the ranges between consecutive `bounds` on the threads of an OpenMP team
+ * (torch's own: see engine/kernels/native.py). 0, or -1 for shapes past the limits, -2
+ * when a thread could not get its tile's memory. */
+INLINE int paged_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                           const int64_t *block_tables, int64_t max_blocks,
+                           const int64_t *query_seq, const int64_t *visible,
+                           const int64_t *bounds, int64_t num_ranges, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           float scale, int is_bf16) {
+    if (head_dim > MAX_HEAD_DIM || num_heads / num_kv_heads > MAX_GROUP || block_size > MAX_BLOCK)
+        return -1;
+    int failed = 0;
+#pragma omp parallel for schedule(static, 1) num_threads(num_ranges) reduction(| : failed)
+    for (int64_t r = 0; r < num_ranges; r++)
+        failed |= attend_queries(q, k_cache, v_cache, out, block_tables, max_blocks, query_seq,
+                                 visible, bounds[r], bounds[r + 1], num_heads, num_kv_heads,
+                                 head_dim, block_size, scale, is_bf16);
+    return failed ? -2 : 0;
+}
+
 #define ENTRY_POINT(NAME, IS_BF16)                                                             \
     int NAME(const void *q, const void *k_cache, const void *v_cache, void *out,              \
              const int64_t *block_tables, int64_t max_blocks, const int64_t *query_seq,       \
-             const int64_t *visible, int64_t num_queries, int64_t num_heads,                  \
-             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {       \
+             const int64_t *visible, const int64_t *bounds, int64_t num_ranges,               \
+             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,   \
+             float scale) {                                                                   \
         return paged_attention(q, k_cache, v_cache, out, block_tables, max_blocks, query_seq, \
-                               visible, num_queries, num_heads, num_kv_heads, head_dim,       \
-                               block_size, scale, IS_BF16);                                   \
+                               visible, bounds, num_ranges, num_heads, num_kv_heads,          \
+                               head_dim, block_size, scale, IS_BF16);                         \
     }
 
 ENTRY_POINT(paged_attention_f32, 0)

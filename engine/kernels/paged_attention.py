@@ -18,13 +18,14 @@ import torch
 from engine.kernels import native
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
-COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC")
+COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-fopenmp")
 """No -ffast-math: it would let the compiler reorder sums differently where rows share a
-tile than where a row is alone, and batch invariance needs them the same."""
+tile than where a row is alone, and batch invariance needs them the same. -fopenmp: the
+queries are split over torch's own OpenMP threads (engine.kernels.native)."""
 PARALLEL_MIN_QUERIES = 32
-"""Fewer queries than this run on the calling thread: a hand-off costs more than it saves."""
+"""Fewer queries than this run on one thread: waking the others costs more than it saves."""
 _ENTRY_POINTS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
-_ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+_ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
 _ARGTYPES += [ctypes.c_int64] * 5 + [ctypes.c_float]
 
 
@@ -41,50 +42,44 @@ def paged_attention(
     query_seq: torch.Tensor,  # [N] int64: the sequence each query belongs to
     visible: torch.Tensor,  # [N] int64: context positions each query sees
     block_size: int,
-    thread_ranges: list[tuple[int, int]] | None = None,
+    thread_bounds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[N, H, D] attention outputs, read straight from the paged cache.
 
-    The queries are split over torch's intra-op thread count (ctypes releases the
-    GIL; `thread_ranges`, from `query_ranges`, where the caller has it already); each
-    query is computed alone either way, so the split changes no bit."""
+    The queries are split over torch's intra-op threads at `thread_bounds` (from
+    `query_bounds`, where the caller has them already); each query is computed alone
+    either way, so the split changes no bit."""
     lib = _library()
     assert lib is not None, "call available() first"
     q = q.contiguous()
     out = torch.empty_like(q)
-    num_queries, num_heads, head_dim = q.shape
-    entry = getattr(lib, _ENTRY_POINTS[q.dtype])
-    row_bytes = num_heads * head_dim * q.element_size()
-
-    def run(start: int, end: int) -> int:
-        """The kernel over queries [start, end): offsets into q, out and the index arrays."""
-        return entry(
-            q.data_ptr() + start * row_bytes, k_cache.data_ptr(), v_cache.data_ptr(),
-            out.data_ptr() + start * row_bytes, block_tables.data_ptr(), block_tables.shape[1],
-            query_seq.data_ptr() + start * 8, visible.data_ptr() + start * 8, end - start,
-            num_heads, k_cache.shape[1], head_dim, block_size, head_dim**-0.5,
-        )  # fmt: skip
-
-    ranges = thread_ranges or query_ranges(visible, torch.get_num_threads())
-    if len(ranges) == 1:  # on the calling thread: a hand-off would cost more than it saves
-        statuses = [run(*ranges[0])]
-    else:
-        statuses = list(native.executor(len(ranges)).map(lambda bounds: run(*bounds), ranges))
-    if any(statuses):
+    num_heads, head_dim = q.shape[1:]
+    bounds = thread_bounds
+    if bounds is None:
+        bounds = query_bounds(visible, torch.get_num_threads())
+    status = getattr(lib, _ENTRY_POINTS[q.dtype])(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        block_tables.data_ptr(), block_tables.shape[1], query_seq.data_ptr(),
+        visible.data_ptr(), bounds.data_ptr(), bounds.shape[0] - 1,
+        num_heads, k_cache.shape[1], head_dim, block_size, head_dim**-0.5,
+    )  # fmt: skip
+    if status == -1:
         raise ValueError(f"paged attention: head_dim {head_dim} or GQA group too large")
+    if status:
+        raise MemoryError("paged attention: no memory for a thread's tile")
     return out
 
 
-def query_ranges(visible: torch.Tensor, num_threads: int) -> list[tuple[int, int]]:
-    """Contiguous query ranges, one per thread, of about equal work (the context each
-    query reads); one range when there are too few queries to be worth a thread."""
+def query_bounds(visible: torch.Tensor, num_threads: int) -> torch.Tensor:
+    """Edges [parts + 1] of contiguous query ranges, one per thread, of about equal work
+    (the context each query reads); one range when there are too few queries to be worth
+    a thread."""
     num_queries = visible.shape[0]
     parts = max(1, num_threads) if num_queries >= PARALLEL_MIN_QUERIES else 1
     work = visible.cumsum(0)
     shares = work[-1] * torch.arange(1, parts) / parts
-    inner = torch.searchsorted(work, shares).tolist()
-    bounds = [0, *inner, num_queries]
-    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+    inner = torch.searchsorted(work, shares)
+    return torch.cat([torch.tensor([0]), inner, torch.tensor([num_queries])]).unique_consecutive()
 
 
 @functools.cache

@@ -149,13 +149,15 @@ static inline __attribute__((always_inline)) void block_tile(
         }                                                                            \
     } while (0)
 
-/* out[:, 8 block_start : 8 block_end] for every row. Each 8-row weight block is read
- * from memory once and reused from cache by every tile of activation rows. */
+/* out = dequantized x @ W^T, its 8-row output blocks split over `threads` of the OpenMP
+ * team (torch's own). Each 8-row weight block is read from memory once and reused from
+ * cache by every tile of activation rows. */
 void w4a8_matmul(const int8_t *xq, const float *a, const int32_t *sums, const uint8_t *w,
                  const float *scales, const float *zeros, float *out, int64_t m, int64_t n,
-                 int64_t k, int64_t group, int64_t block_start, int64_t block_end) {
+                 int64_t k, int64_t group, int64_t threads) {
     int64_t block_bytes = (k / INPUTS_PER_CHUNK) * CHUNK_BYTES;
-    for (int64_t block = block_start; block < block_end; block++) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t block = 0; block < n / ROWS_PER_BLOCK; block++) {
         const uint8_t *wb = w + block * block_bytes;
 #define INT4_TILE(row0, tile) \
     block_tile(xq, a, sums, wb, scales, zeros, out, n, k, group, block, row0, tile)
@@ -202,12 +204,12 @@ static inline __attribute__((always_inline)) void int8_block_tile(
         _mm256_storeu_ps(out + (row0 + r) * n + block * ROWS_PER_BLOCK, _mm256_mul_ps(acc[r], s));
 }
 
-/* out[:, 8 block_start : 8 block_end] for every row, tiled as in w4a8_matmul. */
+/* out = dequantized x @ W^T, split and tiled as in w4a8_matmul. */
 void w8a8_matmul(const int8_t *xq, const float *a, const int8_t *w, const float *scales,
-                 float *out, int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_start,
-                 int64_t block_end) {
+                 float *out, int64_t m, int64_t n, int64_t k, int64_t group, int64_t threads) {
     int64_t block_bytes = (k / INT8_INPUTS_PER_CHUNK) * CHUNK_BYTES;
-    for (int64_t block = block_start; block < block_end; block++) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t block = 0; block < n / ROWS_PER_BLOCK; block++) {
         const int8_t *wb = w + block * block_bytes;
 #define INT8_TILE(row0, tile) int8_block_tile(xq, a, wb, scales, out, n, k, group, block, row0, tile)
         FOR_EACH_TILE(m, INT8_TILE);

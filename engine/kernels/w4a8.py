@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,22 +27,23 @@ from engine.kernels import native
 from engine.kernels.int4_mm import int4_dequantize, unpack_int4
 
 SOURCE = Path(__file__).with_name("w4a8.c")
-COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC")
+COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-fopenmp")
 """No -ffast-math: every float step stays in its written order, the same for a row
-computed alone or in a batch. -march=native turns on the VNNI dot products where the
+computed alone or in a batch. -fopenmp: output blocks are split over torch's own OpenMP
+threads (engine.kernels.native). -march=native turns on the VNNI dot products where the
 CPU has them (see the C file)."""
 WITHOUT_VNNI_FLAGS = ("-mno-avx512vnni", "-mno-avxvnni")
 """Added to the flags, they build the AVX2 path on a VNNI CPU (the tests compare both)."""
 ROWS_PER_BLOCK = 8
 INPUTS_PER_CHUNK = 8
 PARALLEL_MIN_BLOCKS = 64
-"""Fewer 8-row blocks than this run on the calling thread: a hand-off costs more."""
+"""Fewer 8-row blocks than this run on one thread: waking the others costs more."""
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _SIGNATURES: dict[str, native.Signature] = {
     "w4a8_quantize": ([_P, _I, _I, _I, _P, _P, _P], None),
-    "w4a8_matmul": ([_P] * 7 + [_I] * 6, None),
-    "w8a8_matmul": ([_P] * 5 + [_I] * 6, None),
+    "w4a8_matmul": ([_P] * 7 + [_I] * 5, None),
+    "w8a8_matmul": ([_P] * 5 + [_I] * 5, None),
     "w4a8_uses_vnni": ([], ctypes.c_int),
 }
 INT8_INPUTS_PER_CHUNK = 4
@@ -125,17 +125,14 @@ def a8_mm(x: torch.Tensor, weight: A8Weight) -> torch.Tensor:
     xq, scale, code_sum = _quantize(lib, x, weight.group_size)
     (m, k), n, zeros = xq.shape, weight.out_features, weight.zeros
     out = torch.empty((m, n), dtype=torch.float32)
-    shape = (m, n, k, weight.group_size)
-
-    def run(bounds: tuple[int, int]) -> None:
-        w, s, o = weight.codes.data_ptr(), weight.scales.data_ptr(), out.data_ptr()
-        if zeros is None:
-            lib.w8a8_matmul(xq.data_ptr(), scale.data_ptr(), w, s, o, *shape, *bounds)
-        else:
-            lib.w4a8_matmul(xq.data_ptr(), scale.data_ptr(), code_sum.data_ptr(), w, s,
-                            zeros.data_ptr(), o, *shape, *bounds)  # fmt: skip
-
-    _over_blocks(n, run)
+    threads = torch.get_num_threads() if n // ROWS_PER_BLOCK >= PARALLEL_MIN_BLOCKS else 1
+    args = (out.data_ptr(), m, n, k, weight.group_size, threads)
+    w, s = weight.codes.data_ptr(), weight.scales.data_ptr()
+    if zeros is None:
+        lib.w8a8_matmul(xq.data_ptr(), scale.data_ptr(), w, s, *args)
+    else:
+        lib.w4a8_matmul(xq.data_ptr(), scale.data_ptr(), code_sum.data_ptr(), w, s,
+                        zeros.data_ptr(), *args)  # fmt: skip
     return out.to(x.dtype)
 
 
@@ -151,18 +148,6 @@ def _quantize(
     lib.w4a8_quantize(x32.data_ptr(), m, k, group, xq.data_ptr(), scale.data_ptr(),
                       code_sum.data_ptr())  # fmt: skip
     return xq, scale, code_sum
-
-
-def _over_blocks(n: int, run: Callable[[tuple[int, int]], None]) -> None:
-    """Call `run` on ranges of 8-row output blocks: one per intra-op thread for big layers."""
-    num_blocks = n // ROWS_PER_BLOCK
-    threads = torch.get_num_threads() if num_blocks >= PARALLEL_MIN_BLOCKS else 1
-    edges = [num_blocks * i // threads for i in range(threads + 1)]
-    ranges = list(zip(edges[:-1], edges[1:], strict=True))
-    if len(ranges) == 1:
-        run(ranges[0])
-    else:
-        list(native.executor(len(ranges)).map(run, ranges))
 
 
 def quantize_activations(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

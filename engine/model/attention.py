@@ -76,14 +76,14 @@ class KernelGroup:
     query_seq: torch.Tensor  # [G_T] row of block_tables each query reads
     visible: torch.Tensor  # [G_T] context positions each query sees
     block_size: int
-    thread_ranges: list[tuple[int, int]]
+    thread_bounds: torch.Tensor
     """The queries' split over threads, worked out once per step for every layer."""
 
     def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         """[G_T, H, D] outputs of this group's queries, read from the paged cache in place."""
         return kernels.paged_attention(
             q if self.token_index is None else q[self.token_index], k_cache, v_cache,
-            self.block_tables, self.query_seq, self.visible, self.block_size, self.thread_ranges,
+            self.block_tables, self.query_seq, self.visible, self.block_size, self.thread_bounds,
         )  # fmt: skip
 
 
@@ -200,7 +200,7 @@ def _kernel_group(seqs: list[_Seq], block_size: int, whole_batch: bool) -> Kerne
         query_seq=query_seq,
         visible=visible,
         block_size=block_size,
-        thread_ranges=kernels.query_ranges(visible, torch.get_num_threads()),
+        thread_bounds=kernels.query_bounds(visible, torch.get_num_threads()),
     )
 
 
