@@ -52,6 +52,10 @@
 #define MAX_ROWS (TILE * MAX_GROUP)
 #define FLOOR -1e30f /* the score of a position a row does not see */
 #define INLINE static inline __attribute__((always_inline))
+/* Loops over a tile's rows, keys and vectors run in full, so their accumulators stay in
+ * registers: left to itself GCC kept them on the stack (a cold 800-token chunk took twice
+ * as long). */
+#define UNROLL _Pragma("GCC unroll 4")
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -154,7 +158,8 @@ __attribute__((noinline)) static float tail_dot(const float *q, const void *k, i
     return total;
 }
 
-/* weight[r][p] = q_r . k_p for ROWS rows from r0 and KEYS (4 or 1) positions from p0. */
+/* weight[r][p] = q_r . k_p, scaled, for `rows` rows from r0 and `keys` (4 or 1) positions
+ * from p0. */
 INLINE void score_tile(Tile *t, int64_t r0, int rows, const Block *b, int64_t p0, int keys,
                        int64_t head_dim, int is_bf16) {
     vec acc[4][4] = {{{0}}};
@@ -165,24 +170,24 @@ INLINE void score_tile(Tile *t, int64_t r0, int rows, const Block *b, int64_t p0
 #if BF16_DOT
         if (dot16) {
             __m512bh k[4];
-            _Pragma("GCC unroll 4") for (int j = 0; j < keys; j++)
+            UNROLL for (int j = 0; j < keys; j++)
                 k[j] = (__m512bh)_mm512_loadu_si512((const bf16 *)b->k[p0 + j] + d);
-            _Pragma("GCC unroll 4") for (int i = 0; i < rows; i++) {
+            UNROLL for (int i = 0; i < rows; i++) {
                 __m512bh q = (__m512bh)_mm512_load_si512(&t->q16[r0 + i][d]);
-                _Pragma("GCC unroll 4") for (int j = 0; j < keys; j++)
+                UNROLL for (int j = 0; j < keys; j++)
                     acc[i][j] = (vec)_mm512_dpbf16_ps((__m512)acc[i][j], q, k[j]);
             }
             continue;
         }
 #endif
         vec k[4];
-        _Pragma("GCC unroll 4") for (int j = 0; j < keys; j++) k[j] = load_row(b->k[p0 + j], d, is_bf16);
-        _Pragma("GCC unroll 4") for (int i = 0; i < rows; i++) {
+        UNROLL for (int j = 0; j < keys; j++) k[j] = load_row(b->k[p0 + j], d, is_bf16);
+        UNROLL for (int i = 0; i < rows; i++) {
             vec q = load_f32(&t->q[r0 + i][d]);
-            _Pragma("GCC unroll 4") for (int j = 0; j < keys; j++) acc[i][j] += q * k[j];
+            UNROLL for (int j = 0; j < keys; j++) acc[i][j] += q * k[j];
         }
     }
-    _Pragma("GCC unroll 4") for (int i = 0; i < rows; i++) {
+    UNROLL for (int i = 0; i < rows; i++) {
         float *score = &t->weight[r0 + i][p0];
         vec4 sums = {0};
         if (keys == 4)
@@ -196,23 +201,23 @@ INLINE void score_tile(Tile *t, int64_t r0, int rows, const Block *b, int64_t p0
     }
 }
 
-/* acc[r] += sum_p weight[r][p] * v_p over the block's n positions in order, for ROWS rows
- * from r0 and VECS vectors of dims from d0 (held in registers across the positions). */
+/* acc[r] += sum_p weight[r][p] * v_p over the block's n positions in order, for `rows` rows
+ * from r0 and `vecs` vectors of dims from d0 (held in registers across the positions). */
 INLINE void accumulate_tile(Tile *t, int64_t r0, int rows, const Block *b, int64_t n,
                             int64_t d0, int vecs, int is_bf16) {
     vec acc[4][4];
-    _Pragma("GCC unroll 4") for (int i = 0; i < rows; i++)
-        _Pragma("GCC unroll 4") for (int c = 0; c < vecs; c++) acc[i][c] = load_f32(&t->acc[r0 + i][d0 + c * LANES]);
+    UNROLL for (int i = 0; i < rows; i++)
+        UNROLL for (int c = 0; c < vecs; c++) acc[i][c] = load_f32(&t->acc[r0 + i][d0 + c * LANES]);
     for (int64_t p = 0; p < n; p++) {
         vec v[4];
-        _Pragma("GCC unroll 4") for (int c = 0; c < vecs; c++) v[c] = load_row(b->v[p], d0 + c * LANES, is_bf16);
-        _Pragma("GCC unroll 4") for (int i = 0; i < rows; i++) {
+        UNROLL for (int c = 0; c < vecs; c++) v[c] = load_row(b->v[p], d0 + c * LANES, is_bf16);
+        UNROLL for (int i = 0; i < rows; i++) {
             float w = t->weight[r0 + i][p];
-            _Pragma("GCC unroll 4") for (int c = 0; c < vecs; c++) acc[i][c] += w * v[c];
+            UNROLL for (int c = 0; c < vecs; c++) acc[i][c] += w * v[c];
         }
     }
-    _Pragma("GCC unroll 4") for (int i = 0; i < rows; i++)
-        _Pragma("GCC unroll 4") for (int c = 0; c < vecs; c++) store_f32(&t->acc[r0 + i][d0 + c * LANES], acc[i][c]);
+    UNROLL for (int i = 0; i < rows; i++)
+        UNROLL for (int c = 0; c < vecs; c++) store_f32(&t->acc[r0 + i][d0 + c * LANES], acc[i][c]);
 }
 
 /* Scores of `rows` rows from r0 against the block's n positions, four keys at a time. */
