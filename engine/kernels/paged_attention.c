@@ -228,15 +228,25 @@ INLINE void score_rows(Tile *t, int64_t r0, int rows, const Block *b, int64_t n,
     for (; p < n; p++) score_tile(t, r0, rows, b, p, 1, head_dim, is_bf16);
 }
 
+/* CALL(r0, rows) over every row: four at a time, then the 3, 2 or 1 left, each call with a
+ * constant row count so that its loops unroll. */
+#define FOR_ROW_GROUPS(num_rows, CALL)                                \
+    do {                                                              \
+        int64_t r0_ = 0;                                              \
+        for (; r0_ + 4 <= (num_rows); r0_ += 4) CALL(r0_, 4);         \
+        switch ((int)((num_rows) - r0_)) {                            \
+        case 3: CALL(r0_, 3); break;                                  \
+        case 2: CALL(r0_, 2); break;                                  \
+        case 1: CALL(r0_, 1); break;                                  \
+        }                                                             \
+    } while (0)
+
 /* Scores of every row against the block's n positions, four rows by four keys at a time. */
 INLINE void score_block(Tile *t, int64_t num_rows, const Block *b, int64_t n, int64_t head_dim,
                         int is_bf16) {
-    int64_t r = 0;
-    for (; r + 4 <= num_rows; r += 4) score_rows(t, r, 4, b, n, head_dim, is_bf16);
-    int rest = (int)(num_rows - r);
-    if (rest == 3) score_rows(t, r, 3, b, n, head_dim, is_bf16);
-    if (rest == 2) score_rows(t, r, 2, b, n, head_dim, is_bf16);
-    if (rest == 1) score_rows(t, r, 1, b, n, head_dim, is_bf16);
+#define SCORE_ROWS(r0, rows) score_rows(t, r0, rows, b, n, head_dim, is_bf16)
+    FOR_ROW_GROUPS(num_rows, SCORE_ROWS);
+#undef SCORE_ROWS
 }
 
 /* Row r's scores over the `seen` positions it sees become softmax weights against its running
@@ -282,13 +292,10 @@ INLINE void accumulate_rows(Tile *t, int64_t r0, int rows, const Block *b, int64
 INLINE void accumulate_block(Tile *t, int64_t num_rows, const Block *b, int64_t n,
                              int64_t head_dim, int is_bf16) {
     int64_t full = head_dim - head_dim % LANES;
-    int64_t r = 0;
-    for (; r + 4 <= num_rows; r += 4) accumulate_rows(t, r, 4, b, n, full, is_bf16);
-    int rest = (int)(num_rows - r);
-    if (rest == 3) accumulate_rows(t, r, 3, b, n, full, is_bf16);
-    if (rest == 2) accumulate_rows(t, r, 2, b, n, full, is_bf16);
-    if (rest == 1) accumulate_rows(t, r, 1, b, n, full, is_bf16);
-    for (r = 0; r < num_rows; r++)
+#define ACCUMULATE_ROWS(r0, rows) accumulate_rows(t, r0, rows, b, n, full, is_bf16)
+    FOR_ROW_GROUPS(num_rows, ACCUMULATE_ROWS);
+#undef ACCUMULATE_ROWS
+    for (int64_t r = 0; r < num_rows; r++)
         for (int64_t d = full; d < head_dim; d++)
             for (int64_t p = 0; p < n; p++)
                 t->acc[r][d] += t->weight[r][p] * load_one(b->v[p], d, is_bf16);
