@@ -24,14 +24,15 @@ from engine.config import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-LINK_FLAGS = ("-shared", "-lm", "-fopenmp")
+OPENMP = "-fopenmp"
+"""Compile flag of a kernel that splits its work with `omp parallel` (linked into every
+kernel). It links libgomp.so.1, and the loader resolves that name to the copy torch has
+loaded already, so the kernel runs on torch's own intra-op threads. A Python thread pool
+of our own ran beside torch's threads, which keep spinning for a while after each matmul:
+on two cores, two-thread attention ran no faster than one."""
+LINK_FLAGS = ("-shared", "-lm", OPENMP)
 """Linked in a separate step without -ffast-math: linking with it would add crtfastmath,
-whose constructor switches the whole process to flush-denormals-to-zero.
-
--fopenmp links libgomp.so.1, and the loader resolves that name to the copy torch has
-loaded already: a kernel's `omp parallel` runs on torch's own intra-op threads. Threads
-of our own (a Python thread pool, as before) ran beside torch's, which keep spinning for
-a while after each matmul: on two cores, two-thread attention ran no faster than one."""
+whose constructor switches the whole process to flush-denormals-to-zero."""
 
 Signature = tuple[list[type], type]
 """A C function's ctypes argument types and return type."""

@@ -18,10 +18,10 @@ import torch
 from engine.kernels import native
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
-COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-fopenmp")
+COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", native.OPENMP)
 """No -ffast-math: it would let the compiler reorder sums differently where rows share a
-tile than where a row is alone, and batch invariance needs them the same. -fopenmp: the
-queries are split over torch's own OpenMP threads (engine.kernels.native)."""
+tile than where a row is alone, and batch invariance needs them the same. The
+queries are split over torch's own OpenMP threads (native.OPENMP)."""
 PARALLEL_MIN_QUERIES = 32
 """Fewer queries than this run on one thread: waking the others costs more than it saves."""
 _ENTRY_POINTS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}

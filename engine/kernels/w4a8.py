@@ -27,10 +27,10 @@ from engine.kernels import native
 from engine.kernels.int4_mm import int4_dequantize, unpack_int4
 
 SOURCE = Path(__file__).with_name("w4a8.c")
-COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-fopenmp")
+COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", native.OPENMP)
 """No -ffast-math: every float step stays in its written order, the same for a row
-computed alone or in a batch. -fopenmp: output blocks are split over torch's own OpenMP
-threads (engine.kernels.native). -march=native turns on the VNNI dot products where the
+computed alone or in a batch. Output blocks are split over torch's own OpenMP
+threads (native.OPENMP). -march=native turns on the VNNI dot products where the
 CPU has them (see the C file)."""
 WITHOUT_VNNI_FLAGS = ("-mno-avx512vnni", "-mno-avxvnni")
 """Added to the flags, they build the AVX2 path on a VNNI CPU (the tests compare both)."""
