@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class Engine(Protocol):
-    """What a pool needs from an engine (engine.engine.AsyncLLMEngine, or a test fake)."""
+    """What a pool needs from an engine (engine.async_engine.AsyncLLMEngine, or a test fake)."""
 
     tokenizer: Any
     max_model_len: int
@@ -110,7 +110,8 @@ class Pool:
     """One engine per replica: streams generations, reports load, fails health when wedged.
 
     The replica owns its process, so it sets the process-wide torch thread count
-    from the engine config before building the engine.
+    from the engine config before building the engine (an engine with
+    `separate_process` sets its child's the same way).
     """
 
     def __init__(

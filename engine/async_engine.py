@@ -1,55 +1,55 @@
-"""asyncio front of the engine: `generate` streams deltas, a daemon thread runs `step()`.
+"""asyncio front of the engine: `generate` streams deltas; a core runs the step loop.
 
-torch releases the GIL inside its kernels, so the event loop stays responsive
-while a step runs. Requests and aborts reach the loop thread through a
-thread-safe inbox; outputs come back through each stream's asyncio.Queue on
-the caller's event loop.
+The core is `engine.engine_loop.EngineThread` (a daemon thread of this
+process) or, with `EngineConfig.separate_process`,
+`engine.engine_process.EngineProcess` (a child process with a GIL of its
+own). Either way requests and aborts go to the core as messages, and each
+step's outputs come back through each stream's asyncio.Queue on the caller's
+event loop.
 
-The loop never dies silently: a request that fails in the engine ends its own
-stream with `EngineRequestError`; an unexpected error in the loop itself fails
-every live stream and the loop goes on; a step that runs past
-`EngineConfig.stall_timeout_s` while work waits makes `is_alive()` false, so
-the pool's health check can have the replica replaced.
+A request that fails in the engine ends its own stream with
+`EngineRequestError`; a step that runs past `EngineConfig.stall_timeout_s`, a
+dead loop or a dead child makes `is_alive()` false, so the pool's health
+check can have the replica replaced.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import queue
-import threading
-import time
+import math
 from collections.abc import AsyncGenerator
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.engine_loop import (
+    Delivery,
+    EngineRequestError,
+    EngineThread,
+    abort_message,
+    add_message,
+)
+from engine.engine_process import EngineProcess
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import DEFAULT_URGENCY, Urgency
 from engine.sampling_params import SamplingParams
 
-log = logging.getLogger(__name__)
-
-
-class EngineRequestError(RuntimeError):
-    """One request failed inside the engine (its sampling, its output, or its step)."""
+__all__ = ["AsyncLLMEngine", "EngineRequestError"]
 
 
 class AsyncLLMEngine:
-    """`generate` / `abort` / `stats` over an LLMEngine stepped in a daemon thread."""
+    """`generate` / `abort` / `stats` over an LLMEngine stepped by a thread or a process."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
-        self.tokenizer = self.engine.tokenizer
-        self.max_model_len = self.engine.max_model_len
-        self._stall_timeout_s = config.stall_timeout_s
-        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stats = self.engine.stats()
-        self._error: BaseException | None = None
-        self._step_started_s: float | None = None
-        self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
-        self._thread.start()
+        self._stall_timeout_s = config.stall_timeout_s
+        self.core: EngineThread | EngineProcess = (
+            EngineProcess(config, self._deliver_all, self._fail_streams)
+            if config.separate_process
+            else EngineThread(LLMEngine(config), self._deliver_all)
+        )
+        self.tokenizer = self.core.tokenizer
+        self.limits = self.core.limits
+        self.max_model_len = self.limits.max_model_len
 
     async def generate(
         self,
@@ -63,12 +63,14 @@ class AsyncLLMEngine:
         Raises ValueError for a request the engine refuses, EngineRequestError when
         the request fails inside the engine.
         """
-        self.engine.validate(prompt_token_ids, params)
-        if self._error is not None:
-            raise RuntimeError("engine loop is dead") from self._error
+        self.limits.check(prompt_token_ids, params)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._send(("add", request_id, prompt_token_ids, params, urgency))
+        # Checked after registering: a core lost from here on ends this stream too.
+        if not self.core.is_alive(stall_timeout_s=math.inf):  # a slow step still serves
+            del self._streams[request_id]
+            raise RuntimeError("the engine loop is dead")
+        self.core.send(add_message(request_id, prompt_token_ids, params, urgency))
         finished = False
         try:
             while not finished:
@@ -86,77 +88,21 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (a no-op once it has finished)."""
-        self._send(("abort", request_id))
+        self.core.send(abort_message(request_id))
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step (safe to read from any thread)."""
-        return self._stats
+        return self.core.stats()
 
     def is_alive(self) -> bool:
-        """The loop thread runs and no step has been stuck past the stall timeout."""
-        started = self._step_started_s
-        stalled = started is not None and time.monotonic() - started > self._stall_timeout_s
-        return self._thread.is_alive() and self._error is None and not stalled
+        """The core's loop runs and no step has been stuck past the stall timeout."""
+        return self.core.is_alive(self._stall_timeout_s)
 
-    def _send(self, message: tuple) -> None:
-        self._inbox.put(message)
-        self._wake.set()
+    def _fail_streams(self, error: BaseException) -> None:
+        """End every live stream with `error` (the core is gone)."""
+        self._deliver_all([(request_id, error) for request_id in list(self._streams)])
 
-    def _run_loop(self) -> None:
-        while self._error is None:
-            try:
-                self._loop_once()
-            except Exception as exc:  # noqa: BLE001 - fail the live requests, keep serving
-                log.exception("engine loop error; failing every live request")
-                self._fail_all(exc)
-
-    def _loop_once(self) -> None:
-        self._drain_inbox()
-        if not self.engine.has_unfinished():
-            self._wake.wait()
-            self._wake.clear()
-            return
-        self._step_started_s = time.monotonic()
-        outputs = self.engine.step()
-        self._step_started_s = None
-        self._stats = self.engine.stats()  # before delivering: a finished client sees it
-        self._deliver_all([(output.request_id, output) for output in outputs])
-
-    def _fail_all(self, exc: Exception) -> None:
-        """Abort every live request with an error; if even that fails, the engine is dead."""
-        self._step_started_s = None
-        try:
-            for request_id in list(self.engine.requests):
-                self.engine.abort_request(request_id)
-        except Exception as abort_exc:  # noqa: BLE001 - state is beyond repair
-            self._error = abort_exc
-        for request_id in list(self._streams):
-            self._deliver(request_id, EngineRequestError(f"engine loop error: {exc!r}"))
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if message[0] == "add":
-                self._add(*message[1:])
-            elif (aborted := self.engine.abort_request(message[1])) is not None:
-                self._deliver(aborted.request_id, aborted)  # ends a stream still being read
-            self._stats = self.engine.stats()
-
-    def _add(
-        self, request_id: str, prompt: list[int], params: SamplingParams, urgency: Urgency
-    ) -> None:
-        try:
-            self.engine.add_request(request_id, prompt, params, *urgency)
-        except ValueError as exc:
-            self._deliver(request_id, exc)
-
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        self._deliver_all([(request_id, item)])
-
-    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+    def _deliver_all(self, items: Delivery) -> None:
         """Hand each item to its stream: one wake-up per event loop, not one per request
         (a step of 64 sequences would otherwise wake the caller's loop 64 times)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}

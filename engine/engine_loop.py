@@ -1,0 +1,164 @@
+"""The step loop behind every async front, and the core that runs it in a thread.
+
+`EngineLoop` owns an LLMEngine: it takes requests and aborts from a
+thread-safe inbox, steps while work is live, and publishes each step's
+outputs with a fresh stats snapshot. Where it runs is the core's choice:
+`EngineThread` here (a daemon thread of the caller's process),
+`engine.engine_process.EngineProcess` in a child process of its own.
+
+The loop never dies silently: a request that fails in the engine ends its own
+stream with an error output; an unexpected error in the loop itself fails
+every live request with `EngineRequestError` and the loop goes on; only when
+even aborting fails is the engine dead (`error` is set and `run` returns).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from engine.engine import LLMEngine
+from engine.outputs import EngineStats, RequestOutput
+from engine.prompt_limits import PromptLimits
+from engine.request import Urgency
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+Delivery = list[tuple[str, RequestOutput | BaseException]]
+"""Items for streams, by request id: an output, or the error that ends the stream."""
+
+Publish = Callable[[Delivery, EngineStats], None]
+
+
+class EngineRequestError(RuntimeError):
+    """One request failed inside the engine (its sampling, its output, or its step)."""
+
+
+def add_message(
+    request_id: str, prompt: list[int], params: SamplingParams, urgency: Urgency
+) -> tuple:
+    """The inbox message that queues a request."""
+    return ("add", request_id, prompt, params, urgency)
+
+
+def abort_message(request_id: str) -> tuple:
+    """The inbox message that stops a request and frees its blocks."""
+    return ("abort", request_id)
+
+
+def is_stalled(step_started: ctypes.c_double, timeout_s: float) -> bool:
+    """A step has been running past `timeout_s` (0.0 in `step_started`: none runs)."""
+    started = step_started.value
+    return started > 0.0 and time.monotonic() - started > timeout_s
+
+
+class EngineLoop:
+    """Inbox in, `publish(items, stats)` out, one `engine.step()` at a time."""
+
+    def __init__(self, engine: LLMEngine, publish: Publish, step_started: ctypes.c_double) -> None:
+        self.engine = engine
+        self.error: BaseException | None = None
+        self._publish = publish
+        self._step_started = step_started
+        """When the running step began (time.monotonic), 0.0 between steps: a c_double so
+        a process core can place it in shared memory for its parent's health check."""
+        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._wake = threading.Event()
+
+    def send(self, message: tuple) -> None:
+        """Queue an `add_message` or `abort_message` (from any thread)."""
+        self._inbox.put(message)
+        self._wake.set()
+
+    def run(self) -> None:
+        """Serve until the engine is beyond repair."""
+        while self.error is None:
+            try:
+                self._loop_once()
+            except Exception as exc:  # noqa: BLE001 - fail the live requests, keep serving
+                log.exception("engine loop error; failing every live request")
+                self._fail_all(exc)
+
+    def _loop_once(self) -> None:
+        self._drain_inbox()
+        if not self.engine.has_unfinished():
+            self._wake.wait()
+            self._wake.clear()
+            return
+        self._step_started.value = time.monotonic()
+        outputs = self.engine.step()
+        self._step_started.value = 0.0
+        self._publish([(output.request_id, output) for output in outputs], self.engine.stats())
+
+    def _fail_all(self, exc: Exception) -> None:
+        """Abort every live request with an error; if even that fails, the engine is dead."""
+        self._step_started.value = 0.0
+        live = list(self.engine.requests)
+        try:
+            for request_id in live:
+                self.engine.abort_request(request_id)
+        except Exception as abort_exc:  # noqa: BLE001 - state is beyond repair
+            self.error = abort_exc
+        error = EngineRequestError(f"engine loop error: {exc!r}")
+        self._publish([(request_id, error) for request_id in live], self.engine.stats())
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._publish(self._handle(message), self.engine.stats())
+
+    def _handle(self, message: tuple) -> Delivery:
+        """Apply one inbox message; what it ends (a refused request, an aborted stream)."""
+        if message[0] == "add":
+            request_id, prompt, params, urgency = message[1:]
+            try:
+                self.engine.add_request(request_id, prompt, params, *urgency)
+            except ValueError as exc:
+                return [(request_id, exc)]
+            return []
+        aborted = self.engine.abort_request(message[1])
+        return [] if aborted is None else [(aborted.request_id, aborted)]
+
+
+class EngineThread:
+    """The loop in a daemon thread of this process: torch releases the GIL inside its
+    kernels, so the caller's event loop stays responsive while a step runs."""
+
+    def __init__(self, engine: LLMEngine, deliver: Callable[[Delivery], None]) -> None:
+        self.tokenizer = engine.tokenizer
+        self.limits: PromptLimits = engine.limits
+        self._deliver = deliver
+        self._stats = engine.stats()
+        self._step_started = ctypes.c_double(0.0)
+        self.loop = EngineLoop(engine, self._publish, self._step_started)
+        self._thread = threading.Thread(target=self.loop.run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def send(self, message: tuple) -> None:
+        """Queue an inbox message for the loop."""
+        self.loop.send(message)
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the latest step or inbox message."""
+        return self._stats
+
+    def is_alive(self, stall_timeout_s: float) -> bool:
+        """The thread runs, the engine is not dead, and no step is stuck."""
+        return (
+            self._thread.is_alive()
+            and self.loop.error is None
+            and not is_stalled(self._step_started, stall_timeout_s)
+        )
+
+    def _publish(self, items: Delivery, stats: EngineStats) -> None:
+        self._stats = stats  # before delivering: a finished client sees it
+        if items:
+            self._deliver(items)

@@ -1,0 +1,134 @@
+"""The engine's step loop in a child process of its own (EngineConfig.separate_process).
+
+Why: in a Serve replica the engine thread shares the GIL with Ray's threads
+and the replica's event loop, which wake on every step to stream its deltas.
+Each time a torch kernel returns, the step waits for whichever of them holds
+the GIL. Measured on 4 chat streams on 2 cores, with the engine thread pinned
+to a core of its own: steps ran 9% longer than their CPU time. A child
+process has a GIL of its own; the parent keeps only the streams.
+
+The pipe carries `add` / `abort` messages down, and up: `ready` (tokenizer,
+limits, stats) or `failed` (the start-up error, re-raised in the parent),
+then one `step` message per published step (its outputs and stats). The
+running step's start time sits in shared memory for the parent's health
+check. The child exits when its parent's end of the pipe closes; the parent
+fails every live stream when the child's end does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine_loop import Delivery, EngineLoop, EngineRequestError, is_stalled
+from engine.outputs import EngineStats
+from engine.prompt_limits import PromptLimits
+
+log = logging.getLogger(__name__)
+
+
+class EngineProcess:
+    """The loop in a spawned child process; this side sends messages and reads its steps."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        deliver: Callable[[Delivery], None],
+        lost: Callable[[BaseException], None],
+    ) -> None:
+        """Start the child and wait until its engine is built; its start-up error is
+        raised here (a missing student, a bad model path)."""
+        context = multiprocessing.get_context("spawn")  # fork would copy Ray's threads
+        self._conn, child_conn = context.Pipe()
+        self._step_started = context.Value(ctypes.c_double, 0.0, lock=False)
+        self._process = context.Process(
+            target=_child_main,
+            args=(config, child_conn, self._step_started),
+            name="engine-core",
+            daemon=True,
+        )
+        self._process.start()
+        child_conn.close()
+        self.tokenizer, self.limits, self._stats = self._await_ready()
+        self._deliver = deliver
+        self._lost = lost
+        self._send_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self._reader.start()
+
+    def send(self, message: tuple) -> None:
+        """Forward an inbox message to the child (from any thread); to a dead child it is
+        dropped: the reader thread ends every live stream once the pipe closes."""
+        with self._send_lock:
+            try:
+                self._conn.send(message)
+            except OSError:
+                log.warning("engine process gone: %s dropped", message[0])
+
+    def stats(self) -> EngineStats:
+        """The snapshot the child sent with its latest step or inbox message."""
+        return self._stats
+
+    def is_alive(self, stall_timeout_s: float) -> bool:
+        """The child runs and no step of it is stuck."""
+        return self._process.is_alive() and not is_stalled(self._step_started, stall_timeout_s)
+
+    def _await_ready(self) -> tuple[Any, PromptLimits, EngineStats]:
+        try:
+            kind, *payload = self._conn.recv()
+        except EOFError:
+            self._process.join()
+            raise RuntimeError(
+                f"the engine process exited during start-up (code {self._process.exitcode})"
+            ) from None
+        if kind == "failed":
+            self._process.join()
+            raise payload[0]
+        return payload[0], payload[1], payload[2]
+
+    def _read(self) -> None:
+        """Deliver the child's steps until its end of the pipe closes."""
+        try:
+            while True:
+                _, items, stats = self._conn.recv()
+                self._stats = stats  # before delivering: a finished client sees it
+                if items:
+                    self._deliver(items)
+        except (EOFError, OSError):
+            self._process.join(timeout=5)
+            log.warning("engine process exited (code %s): its streams end", self._process.exitcode)
+            self._lost(EngineRequestError("the engine process exited"))
+
+
+def _child_main(config: EngineConfig, conn: Connection, step_started: ctypes.c_double) -> None:
+    """The child: own the process settings, build the engine, serve the loop."""
+    from engine.engine import LLMEngine  # torch and the model load here, not in the parent
+    from engine.process import configure_process
+
+    configure_process(config)
+    try:
+        engine = LLMEngine(config)
+    except BaseException as exc:  # noqa: BLE001 - the parent re-raises it
+        conn.send(("failed", exc))
+        return
+    conn.send(("ready", engine.tokenizer, engine.limits, engine.stats()))
+    loop = EngineLoop(engine, lambda items, stats: conn.send(("step", items, stats)), step_started)
+    threading.Thread(target=_forward_inbox, args=(conn, loop), daemon=True).start()
+    loop.run()
+
+
+def _forward_inbox(conn: Connection, loop: EngineLoop) -> None:
+    """Parent's messages into the loop's inbox; the parent gone, the child ends at once."""
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            os._exit(0)
+        loop.send(message)
