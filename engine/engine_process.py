@@ -21,6 +21,7 @@ import ctypes
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -103,7 +104,10 @@ class EngineProcess:
                     self._deliver(items)
         except (EOFError, OSError):
             self._process.join(timeout=5)
-            log.warning("engine process exited (code %s): its streams end", self._process.exitcode)
+            code = self._process.exitcode
+            ended_at_exit = code == -signal.SIGTERM  # multiprocessing ends daemons so at exit
+            log.log(logging.INFO if ended_at_exit else logging.ERROR,
+                    "engine process exited (code %s): its streams end", code)  # fmt: skip
             self._lost(EngineRequestError("the engine process exited"))
 
 
