@@ -42,10 +42,11 @@ class AsyncLLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stall_timeout_s = config.stall_timeout_s
+        self._stats: EngineStats  # set by the core's first publish, before it returns
         self.core: EngineThread | EngineProcess = (
-            EngineProcess(config, self._deliver_all, self._fail_streams)
+            EngineProcess(config, self._publish, self._fail_streams)
             if config.separate_process
-            else EngineThread(LLMEngine(config), self._deliver_all)
+            else EngineThread(LLMEngine(config), self._publish)
         )
         self.tokenizer = self.core.tokenizer
         self.limits = self.core.limits
@@ -91,12 +92,19 @@ class AsyncLLMEngine:
         self.core.send(abort_message(request_id))
 
     def stats(self) -> EngineStats:
-        """The snapshot taken after the latest step (safe to read from any thread)."""
-        return self.core.stats()
+        """The snapshot taken after the latest step or inbox message (safe to read from
+        any thread)."""
+        return self._stats
 
     def is_alive(self) -> bool:
         """The core's loop runs and no step has been stuck past the stall timeout."""
         return self.core.is_alive(self._stall_timeout_s)
+
+    def _publish(self, items: Delivery, stats: EngineStats) -> None:
+        """What the core's loop publishes: its stats, then the items for the streams."""
+        self._stats = stats  # before delivering: a finished client sees it
+        if items:
+            self._deliver_all(items)
 
     def _fail_streams(self, error: BaseException) -> None:
         """End every live stream with `error` (the core is gone)."""

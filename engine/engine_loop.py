@@ -33,6 +33,8 @@ Delivery = list[tuple[str, RequestOutput | BaseException]]
 """Items for streams, by request id: an output, or the error that ends the stream."""
 
 Publish = Callable[[Delivery, EngineStats], None]
+"""Where a core hands what its loop produced: the items, and the stats after them (the
+async front keeps the stats and wakes the streams)."""
 
 
 class EngineRequestError(RuntimeError):
@@ -132,23 +134,18 @@ class EngineThread:
     """The loop in a daemon thread of this process: torch releases the GIL inside its
     kernels, so the caller's event loop stays responsive while a step runs."""
 
-    def __init__(self, engine: LLMEngine, deliver: Callable[[Delivery], None]) -> None:
+    def __init__(self, engine: LLMEngine, publish: Publish) -> None:
         self.tokenizer = engine.tokenizer
         self.limits: PromptLimits = engine.limits
-        self._deliver = deliver
-        self._stats = engine.stats()
+        publish([], engine.stats())
         self._step_started = ctypes.c_double(0.0)
-        self.loop = EngineLoop(engine, self._publish, self._step_started)
+        self.loop = EngineLoop(engine, publish, self._step_started)
         self._thread = threading.Thread(target=self.loop.run, name="engine-loop", daemon=True)
         self._thread.start()
 
     def send(self, message: tuple) -> None:
         """Queue an inbox message for the loop."""
         self.loop.send(message)
-
-    def stats(self) -> EngineStats:
-        """The snapshot taken after the latest step or inbox message."""
-        return self._stats
 
     def is_alive(self, stall_timeout_s: float) -> bool:
         """The thread runs, the engine is not dead, and no step is stuck."""
@@ -157,8 +154,3 @@ class EngineThread:
             and self.loop.error is None
             and not is_stalled(self._step_started, stall_timeout_s)
         )
-
-    def _publish(self, items: Delivery, stats: EngineStats) -> None:
-        self._stats = stats  # before delivering: a finished client sees it
-        if items:
-            self._deliver(items)

@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.engine_loop import Delivery, EngineLoop, EngineRequestError, is_stalled
+from engine.engine_loop import EngineLoop, EngineRequestError, Publish, is_stalled
 from engine.outputs import EngineStats
 from engine.prompt_limits import PromptLimits
 
@@ -41,7 +41,7 @@ class EngineProcess:
     def __init__(
         self,
         config: EngineConfig,
-        deliver: Callable[[Delivery], None],
+        publish: Publish,
         lost: Callable[[BaseException], None],
     ) -> None:
         """Start the child and wait until its engine is built; its start-up error is
@@ -57,8 +57,9 @@ class EngineProcess:
         )
         self._process.start()
         child_conn.close()
-        self.tokenizer, self.limits, self._stats = self._await_ready()
-        self._deliver = deliver
+        self.tokenizer, self.limits, stats = self._await_ready()
+        publish([], stats)
+        self._publish = publish
         self._lost = lost
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
@@ -72,10 +73,6 @@ class EngineProcess:
                 self._conn.send(message)
             except OSError:
                 log.warning("engine process gone: %s dropped", message[0])
-
-    def stats(self) -> EngineStats:
-        """The snapshot the child sent with its latest step or inbox message."""
-        return self._stats
 
     def is_alive(self, stall_timeout_s: float) -> bool:
         """The child runs and no step of it is stuck."""
@@ -99,9 +96,7 @@ class EngineProcess:
         try:
             while True:
                 _, items, stats = self._conn.recv()
-                self._stats = stats  # before delivering: a finished client sees it
-                if items:
-                    self._deliver(items)
+                self._publish(items, stats)
         except (EOFError, OSError):
             self._process.join(timeout=5)
             code = self._process.exitcode
