@@ -100,7 +100,9 @@ class EngineProcess:
         except (EOFError, OSError):
             self._process.join(timeout=5)
             code = self._process.exitcode
-            ended_at_exit = code == -signal.SIGTERM  # multiprocessing ends daemons so at exit
+            # At interpreter exit multiprocessing ends daemons with SIGTERM, or this side's
+            # end of the pipe is closed first: neither is a failure.
+            ended_at_exit = code == -signal.SIGTERM or self._conn.closed
             log.log(logging.INFO if ended_at_exit else logging.ERROR,
                     "engine process exited (code %s): its streams end", code)  # fmt: skip
             self._lost(EngineRequestError("the engine process exited"))
