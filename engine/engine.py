@@ -215,6 +215,8 @@ class LLMEngine:
             len(scheduled.num_new_tokens), scheduled.total_tokens, seconds,
             scheduled.attended_positions,
         )  # fmt: skip
+        if self.speculator is not None:
+            self.speculator.observe_step(scheduled.num_new_tokens, scheduled.drafts, seconds)
         return result
 
     def _record(self, scheduled: SchedulerOutput, result: RunnerOutput) -> None:

@@ -1,4 +1,4 @@
-"""Draft proposers for speculative decoding, and the back-off that keeps them honest.
+"""Draft proposers for speculative decoding, and the draft length that keeps them paying.
 
 A proposer guesses up to k next tokens per decoding request; the target then
 scores all of them in one forward pass (see `sampler.verify`). Two proposers:
@@ -10,8 +10,8 @@ scores all of them in one forward pass (see `sampler.verify`). Two proposers:
 - `DraftModelProposer`: a smaller model with the same tokenizer, with its own
   paged KV cache that follows the target's accepted tokens.
 
-`Backoff` shrinks a request's k when drafts keep failing and lets it grow back
-when they land, so a bad proposer costs at most the occasional probe.
+`DraftLength` picks each request's k from how often its drafts land and what a
+draft token costs the step, so a bad proposer costs at most the occasional probe.
 
 The speculator only proposes and keeps score: the scheduler places drafts
 in the budget as lookahead, the runner verifies them, and the scheduler rolls
@@ -20,6 +20,7 @@ back what was rejected.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,6 +31,7 @@ from engine.kv_cache import KVCacheManager
 from engine.outputs import RunnerOutput
 from engine.request import Request
 from engine.sampler import draw, probs_for
+from engine.step_cost import StepCostModel
 
 
 @dataclass(frozen=True)
@@ -170,49 +172,88 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
     return n
 
 
+PRIOR_ACCEPTED = 1.0
+PRIOR_REJECTED = 1.0
+"""A new request's acceptance counts: alpha starts at 0.5, and its first drafts decide."""
+ACCEPTANCE_DECAY = 0.8
+"""Weight the past keeps at each verification: about the last five drafts count, so a
+request that starts (or stops) copying from its prompt is re-judged within a few steps."""
+PROPOSE_S_WEIGHT = 0.1
+"""Weight of each new measurement in the running mean of proposing seconds per draft token."""
+
+
 @dataclass
-class _BackoffState:
-    k: int
+class _Acceptance:
+    accepted: float = PRIOR_ACCEPTED
+    rejected: float = PRIOR_REJECTED
     cooldown: int = 0
 
+    @property
+    def alpha(self) -> float:
+        """Chance that a draft position is accepted, given that the ones before it were."""
+        return self.accepted / (self.accepted + self.rejected)
 
-class Backoff:
-    """Per-request draft length: grows by one after a fully accepted draft, halves after
-    a fully rejected one, and after dropping to zero waits `cooldown_steps` before
-    probing again with a single token. A proposer that is free to run (prompt lookup)
-    probes sooner than one that costs forward passes (a draft model)."""
+
+class DraftLength:
+    """Per-request draft length: the k that gives most tokens per second of step time.
+
+    A draft is verified left to right up to its first rejection, so each position is
+    counted as one trial of a coin that lands "accepted" with chance alpha; alpha is
+    counted per request, with decay. k drafts then yield 1 + alpha + ... + alpha^k tokens
+    for a step that costs 1 + token_cost * k, where `token_cost` is what one draft token
+    adds to the step (verifying it, proposing it) as a share of the step. At batch 1 on a
+    CPU the step is memory-bound and a token costs ~1.5% of it, so long drafts pay even
+    when they mostly miss; in a big, compute-bound batch the same draft costs a token's
+    full share and k drops. When no k pays (alpha below token_cost) the request rests
+    `cooldown_steps` steps, then probes with one token: the only way alpha can recover.
+    """
 
     def __init__(self, max_k: int, cooldown_steps: int) -> None:
         self.max_k = max_k
         self.cooldown_steps = cooldown_steps
-        self._state: dict[str, _BackoffState] = {}
+        self._state: dict[str, _Acceptance] = {}
 
-    def k_for(self, request_id: str) -> int:
-        """The draft length to propose now (0 while cooling down)."""
-        state = self._state.setdefault(request_id, _BackoffState(self.max_k))
-        if state.k == 0:
+    def k_for(self, request_id: str, token_cost: float) -> int:
+        """The draft length to propose now (0 while resting)."""
+        state = self._state.setdefault(request_id, _Acceptance())
+        if state.cooldown > 0:
             state.cooldown -= 1
-            if state.cooldown <= 0:
-                state.k = 1
-        return state.k
+            return 1 if state.cooldown == 0 else 0
+        k = best_draft_len(state.alpha, token_cost, self.max_k)
+        if k == 0:
+            state.cooldown = self.cooldown_steps
+        return k
 
     def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
-        """Grow, keep or shrink k after a verification."""
-        state = self._state.setdefault(request_id, _BackoffState(self.max_k))
-        if num_accepted == num_proposed:
-            state.k = min(self.max_k, state.k + 1)
-        elif num_accepted == 0:
-            state.k //= 2
-            if state.k == 0:
-                state.cooldown = self.cooldown_steps
+        """Count a verified draft: its accepted positions, and the rejection that ended it."""
+        state = self._state.setdefault(request_id, _Acceptance())
+        state.accepted = state.accepted * ACCEPTANCE_DECAY + num_accepted
+        state.rejected = state.rejected * ACCEPTANCE_DECAY + (num_accepted < num_proposed)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's state."""
         self._state.pop(request_id, None)
 
 
+def best_draft_len(alpha: float, token_cost: float, max_k: int) -> int:
+    """argmax over k in 0..max_k of (1 + alpha + ... + alpha^k) / (1 + token_cost * k)."""
+    best_k, best_rate, expected = 0, 1.0, 1.0
+    for k in range(1, max_k + 1):
+        expected += alpha**k
+        rate = expected / (1 + token_cost * k)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
 class Speculator:
-    """Glue between a proposer and the back-off, with vLLM's counters.
+    """Glue between a proposer and the draft length, with vLLM's counters.
+
+    What a draft token costs is learned on the spot: a step-cost fit of its own,
+    seconds = base + per sequence + per draft token, over decode-only steps (prefill
+    chunks are compute-bound and would price a draft token several times too high at
+    small batches; attention is left to the base, as the context drifts slowly), plus
+    the proposer's own measured time per draft token.
 
     Requests with a repetition penalty or an unmet `min_tokens` are not
     speculated: their logits depend on the tokens before each position, which
@@ -221,8 +262,10 @@ class Speculator:
 
     def __init__(self, proposer: Proposer, max_k: int) -> None:
         self.proposer = proposer
-        self.backoff = Backoff(max_k, proposer.cooldown_steps)
+        self.draft_length = DraftLength(max_k, proposer.cooldown_steps)
         self.max_k = max_k
+        self.decode_cost = StepCostModel()
+        self.propose_s_per_token = 0.0
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -234,11 +277,40 @@ class Speculator:
 
     def propose(self, running: list[Request]) -> dict[Request, Proposal]:
         """Drafts for the decoding requests that may speculate this step."""
-        wanted = {r: k for r in running if (k := self._draft_len(r)) > 0}
-        return self.proposer.propose(wanted) if wanted else {}
+        decoding = [r for r in running if _may_speculate(r)]
+        if not decoding:
+            return {}
+        token_cost = self.token_cost(decoding)
+        wanted = {r: k for r in decoding if (k := self._draft_len(r, token_cost)) > 0}
+        if not wanted:
+            return {}
+        start_s = time.perf_counter()
+        drafts = self.proposer.propose(wanted)
+        self._time_proposer(time.perf_counter() - start_s, sum(wanted.values()))
+        return drafts
+
+    def token_cost(self, decoding: list[Request]) -> float:
+        """What one more draft token adds to a decode step of `decoding`, as a share of it."""
+        step_s = self.decode_cost.step_s(len(decoding), 0, 0)
+        token_s = self.decode_cost.token_s(0) + self.propose_s_per_token
+        return token_s / step_s if step_s > 0 else 0.0
+
+    def observe_step(
+        self,
+        num_new_tokens: dict[Request, int],
+        drafts: dict[Request, Proposal],
+        seconds: float,
+    ) -> None:
+        """Fit the decode-step cost on a step that only decoded (drafts included)."""
+        for request, num_new in num_new_tokens.items():
+            num_drafts = len(drafts[request].token_ids) if request in drafts else 0
+            if num_new != 1 + num_drafts:
+                return  # a prefill chunk rode along: not a decode step
+        num_drafts = sum(num_new_tokens.values()) - len(num_new_tokens)
+        self.decode_cost.observe(len(num_new_tokens), num_drafts, seconds)
 
     def record(self, drafts: dict[Request, Proposal], result: RunnerOutput) -> None:
-        """Count each verified draft (as scheduled) and let the back-off learn from it."""
+        """Count each verified draft (as scheduled) and let the draft length learn from it."""
         for request, draft in drafts.items():
             if request not in result.sampled_token_ids:
                 continue  # the request failed: nothing was verified
@@ -249,22 +321,31 @@ class Speculator:
             self.num_accepted_tokens += num_accepted
             for pos in range(num_accepted):
                 self.accepted_per_pos[pos] += 1
-            self.backoff.record(request.request_id, num_proposed, num_accepted)
+            self.draft_length.record(request.request_id, num_proposed, num_accepted)
 
     def release(self, request: Request) -> None:
         """Forget a finished request."""
         self.proposer.release(request)
-        self.backoff.forget(request.request_id)
+        self.draft_length.forget(request.request_id)
 
-    def _draft_len(self, request: Request) -> int:
-        params = request.params
-        decoding = request.num_tokens - request.num_computed_tokens == 1
-        if not decoding or params.repetition_penalty != 1.0:
-            return 0
-        if request.num_output_tokens < params.min_tokens:
-            return 0
-        room = params.max_tokens - request.num_output_tokens - 1  # the bonus token needs one
-        return max(0, min(self.backoff.k_for(request.request_id), room))
+    def _draft_len(self, request: Request, token_cost: float) -> int:
+        room = request.params.max_tokens - request.num_output_tokens - 1  # bonus token's
+        return max(0, min(self.draft_length.k_for(request.request_id, token_cost), room))
+
+    def _time_proposer(self, seconds: float, num_tokens: int) -> None:
+        per_token = seconds / num_tokens
+        self.propose_s_per_token += PROPOSE_S_WEIGHT * (per_token - self.propose_s_per_token)
+
+
+def _may_speculate(request: Request) -> bool:
+    """Decoding (one token to compute), with no logits processing that verify cannot redo."""
+    params = request.params
+    decoding = request.num_tokens - request.num_computed_tokens == 1
+    return (
+        decoding
+        and params.repetition_penalty == 1.0
+        and request.num_output_tokens >= params.min_tokens
+    )
 
 
 def build_speculator(spec: SpecDecodeConfig, draft: DraftModelProposer | None = None) -> Speculator:

@@ -81,9 +81,13 @@ class StepCostModel:
 
     def tokens_in(self, seconds: float, context: int) -> int:
         """Prompt tokens, each reading about `context` positions, predicted to cost `seconds`."""
-        _, _, per_token, per_attended = self._non_negative()
-        per_new_token = per_token + per_attended * context
+        per_new_token = self.token_s(context)
         return int(seconds / per_new_token) if per_new_token > 0 else 2**31
+
+    def token_s(self, context: int) -> float:
+        """Predicted seconds one more token reading `context` positions adds to a step."""
+        _, _, per_token, per_attended = self._non_negative()
+        return per_token + per_attended * context
 
     def coefficients(self) -> tuple[float, float, float]:
         """(base, per-sequence, per-token) seconds, each kept non-negative: more work never

@@ -7,7 +7,7 @@ extract from a text in the prompt) with prompt lookup (`ngram`); (b) `chat`
 (open questions) with a draft model (`draft`): the default model cut to its
 first --draft-layers layers, as no distilled draft exists yet; (c)
 `adversarial` (novel text the prompt cannot predict) with `ngram`, where drafts
-keep failing and the back-off must keep the cost down.
+keep failing and the draft length must keep the cost down.
 
 Every request runs alone (batch 1), greedy (temperature 0), in the engine's
 own dtype (bf16 where the CPU has native bf16 kernels, else fp32), EOS
@@ -22,14 +22,17 @@ forward passes by query length, proposer, verification).
 `--sweep` instead tries draft depths and k on a few prompts and prints one
 line per setting. The defaults came from it plus step counts (timings on the
 shared cores were too noisy to rank settings by themselves):
-- ngram k=8, ngram_min=2: a 9-token verify costs ~1.13x a 1-token step at
-  batch 1 (memory-bound), so long drafts are cheap; a 2-gram match misses
-  less often than a 1-gram one.
+- ngram k=8, ngram_min=1: a 9-token verify costs ~1.13x a 1-token step at
+  batch 1 (memory-bound), so long drafts are cheap, and the draft length
+  (engine/spec_decode.py) keeps them long only while they pay. Replaying the
+  12 grounded prompts' greedy answers through the lookup, a 1-gram fallback
+  cut the steps by a tenth against ngram_min=2 (it catches the first token
+  of a copied span, where a 2-gram still straddles the seam).
 - draft: the first 4 of 30 layers, k=2. No truncation depth pays on this
   model: greedy acceptance was ~0.05 for 2-12 layers, 0.10 at 16, 0.22 at 24
   and 0.24 at 27, while a draft of N layers costs about (3.5N + 28) / 134 of
   a target step (the 28M-parameter lm_head is paid whatever N). The shallow
-  draft fails cheapest and the back-off then mutes it.
+  draft fails cheapest and the draft length then mutes it.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ def instrument(engine: LLMEngine) -> Timings:
         q_len = batch.input_ids.numel()
         return f"forward_q{q_len}" if q_len <= 16 else "forward_prefill"
 
-    engine.runner.compute_logits = timings.wrap(engine.runner.compute_logits, forward_name)
+    engine.runner.forward = timings.wrap(engine.runner.forward, forward_name)
     engine.runner.sample = timings.wrap(engine.runner.sample, lambda *_: "sample_and_verify")
     engine.step = timings.wrap(engine.step, lambda: "step")
     if engine.speculator is not None:
@@ -357,7 +360,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="per prompt set")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--ngram-k", type=int, default=8)
-    p.add_argument("--ngram-min", type=int, default=2)
+    p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--draft-k", type=int, default=2)
     p.add_argument("--draft-layers", type=int, default=4)

@@ -1,5 +1,5 @@
 """Speculative decoding: exact output (greedy parity, rejection-sampling statistics),
-lookahead rollback, the back-off and the n-gram proposer.
+lookahead rollback, the draft length and the n-gram proposer.
 
 The engine tests run fp32 engines on the default model with a KV pool small
 enough to force preemption; each configuration is loaded once per module.
@@ -23,11 +23,12 @@ from engine.request import Request
 from engine.sampler import SampleRow, draw, probs_for, sample_row, verify
 from engine.sampling_params import SamplingParams
 from engine.spec_decode import (
-    Backoff,
+    DraftLength,
     DraftModelProposer,
     NgramProposer,
     Proposal,
     Speculator,
+    best_draft_len,
 )
 
 torch.set_num_threads(1)  # two shared cores: more threads only contend
@@ -177,10 +178,13 @@ def stats_delta(before: EngineStats, after: EngineStats) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("spec", [NGRAM, WEAK_DRAFT], ids=["ngram", "draft4layers"])
-def test_greedy_parity_mixed_batch_with_preemption(engine_for, plain_run, spec):
+def test_greedy_parity_mixed_batch_with_preemption(engine_for, plain_run, spec, monkeypatch):
     expected = plain_run(run_mixed_batch)
 
     engine = engine_for(spec)
+    # Drafts priced free, so even the weak draft keeps proposing full-length drafts
+    # and both acceptances and rejections land inside the preempted, mixed batch.
+    monkeypatch.setattr(engine.speculator, "token_cost", lambda decoding: 0.0)
     before = engine.stats()
     requests = mixed_batch(engine)
     got = run_all(engine, requests)
@@ -267,7 +271,7 @@ class ScriptedProposer:
     """Drafts from a known answer: right for a random number of tokens, then one wrong one.
 
     Its rejections land at every offset of a block, which the real proposers,
-    muted by the back-off after a few misses, rarely manage in a short test.
+    cut short by the draft length after a few misses, rarely manage in a short test.
     """
 
     cooldown_steps = 1
@@ -436,29 +440,71 @@ def test_verified_tokens_are_those_sampling_without_drafts_gives(case):
         assert tokens == plain[: kept + 1], (seed, draft)
 
 
-# ---- back-off, proposers, who speculates ------------------------------------
+# ---- draft length, proposers, who speculates ------------------------------------
+
+
+def test_best_draft_len_weighs_acceptance_against_token_cost():
+    # Memory-bound batch 1: a draft token costs ~1.5% of a step, long drafts pay even at
+    # low acceptance; compute-bound big batch: the same acceptance buys no draft at all.
+    assert best_draft_len(0.5, 0.015, 8) >= 4
+    assert best_draft_len(0.9, 0.015, 8) == 8
+    assert best_draft_len(0.1, 0.3, 8) == 0
+    assert best_draft_len(0.9, 0.0, 8) == 8
+    lengths = [best_draft_len(alpha / 10, 0.05, 8) for alpha in range(10)]
+    assert lengths == sorted(lengths) and lengths[0] == 0 and lengths[-1] == 8
+
+
+def expected_rate(alpha: float, cost: float, k: int) -> float:
+    return sum(alpha**i for i in range(k + 1)) / (1 + cost * k)
+
+
+@pytest.mark.parametrize("alpha", [0.05, 0.3, 0.6, 0.95])
+@pytest.mark.parametrize("cost", [0.0, 0.01, 0.1, 0.5])
+def test_best_draft_len_is_the_argmax(alpha, cost):
+    best = best_draft_len(alpha, cost, 8)
+    rates = [expected_rate(alpha, cost, k) for k in range(9)]
+    assert rates[best] == pytest.approx(max(rates))
 
 
 @pytest.mark.parametrize("cooldown_steps", [2, 8])
-def test_backoff_shrinks_cools_down_probes_and_grows(cooldown_steps):
-    backoff = Backoff(max_k=4, cooldown_steps=cooldown_steps)
-    assert backoff.k_for("r") == 4
-    for expected_k in (2, 1, 0):  # a fully rejected draft halves k
-        backoff.record("r", backoff.k_for("r"), 0)
-        assert backoff._state["r"].k == expected_k
-    cooldown = [backoff.k_for("r") for _ in range(cooldown_steps)]
-    assert cooldown == [0] * (cooldown_steps - 1) + [1]  # then a 1-token probe
-    backoff.record("r", 1, 0)  # the probe failed: back to zero and cooling down
-    assert [backoff.k_for("r") for _ in range(cooldown_steps)][-1] == 1
-    for expected_k in (2, 3, 4, 4):  # full acceptance grows k by one, up to max_k
-        backoff.record("r", backoff.k_for("r"), backoff.k_for("r"))
-        assert backoff.k_for("r") == expected_k
-    backoff.record("r", 4, 2)  # partial acceptance leaves k alone
-    assert backoff.k_for("r") == 4
-    assert backoff.k_for("other") == 4  # per request
-    backoff.record("r", 4, 0)
-    backoff.forget("r")
-    assert backoff.k_for("r") == 4
+def test_draft_length_rests_after_misses_probes_and_recovers(cooldown_steps):
+    lengths = DraftLength(max_k=4, cooldown_steps=cooldown_steps)
+    cost = 0.2  # a big batch: a token costs a fifth of the step
+    first = lengths.k_for("r", cost)
+    assert first >= 1  # a new request gets the benefit of the doubt (alpha 0.5)
+    k = first
+    while k > 0:  # every draft fully rejected: alpha falls until no draft pays
+        lengths.record("r", k, 0)
+        k = lengths.k_for("r", cost)
+    rest = [lengths.k_for("r", cost) for _ in range(cooldown_steps)]
+    assert rest == [0] * (cooldown_steps - 1) + [1]  # then a 1-token probe
+    for _ in range(8):  # drafts land again: alpha climbs, k grows back to max
+        lengths.record("r", 1, 1)
+    assert lengths.k_for("r", cost) == 4
+    assert lengths.k_for("other", cost) == first  # per request
+    lengths.forget("r")
+    assert lengths.k_for("r", cost) == first
+
+
+def test_draft_length_keeps_long_drafts_when_they_are_cheap():
+    lengths = DraftLength(max_k=8, cooldown_steps=2)
+    for _ in range(20):  # one token in three lands
+        lengths.record("r", 3, 1)
+    assert lengths.k_for("r", 0.2) <= 1
+    assert lengths.k_for("r", 0.01) >= 4
+
+
+def test_speculator_learns_what_a_draft_token_costs():
+    speculator = Speculator(NgramProposer(1, 3), max_k=8)
+    request = Request("r", [1, 2, 3], SamplingParams())
+    for step in range(200):  # a decode step: 40 ms, plus 0.5 ms a draft token
+        num_drafts = step % 9
+        drafts = {request: Proposal([7] * num_drafts)} if num_drafts else {}
+        speculator.observe_step({request: 1 + num_drafts}, drafts, 0.040 + 0.0005 * num_drafts)
+    assert speculator.token_cost([request]) == pytest.approx(0.0005 / 0.040, rel=0.1)
+    prefill = {request: 50}  # a prefill chunk is not a decode step: not learned from
+    speculator.observe_step(prefill, {}, 5.0)
+    assert speculator.token_cost([request]) == pytest.approx(0.0005 / 0.040, rel=0.1)
 
 
 def ngram_draft(tokens: list[int], k: int, ngram_min: int = 1, ngram_max: int = 3) -> list[int]:
