@@ -64,9 +64,11 @@ def test_vnni_and_avx2_paths_agree_bit_for_bit(kind: str, monkeypatch: pytest.Mo
 
     avx2_library = w4a8._library(w4a8.WITHOUT_VNNI_FLAGS)
     monkeypatch.setattr(w4a8, "_library", lambda: avx2_library)
-
     assert not w4a8.uses_vnni()
-    assert torch.equal(w4a8.a8_mm(x, weight), vnni)
+    assert w4a8.rows_per_block() == 8  # 256-bit registers: its own layout
+    avx2_weight, _ = _case(kind, 576, 1536, 64)  # the same weight, repacked for it
+
+    assert torch.equal(w4a8.a8_mm(x, avx2_weight), vnni)
 
 
 @pytest.mark.parametrize("kind", KINDS)

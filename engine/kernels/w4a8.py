@@ -2,16 +2,17 @@
 and W8A8, the same for the INT8 layers of a mixed-precision config.
 
 The engine's INT4 layers keep their codes in the tile64 layout (engine/kernels/int4_mm.py)
-that torch's weight-only op and the Triton kernel read. This kernel wants each 8-row
-block's codes as 32-byte chunks of 8 rows x 8 inputs (see the C file), so a layer
-is repacked once, at its first CPU call (`repack`), beside its tile64 codes.
+that torch's weight-only op and the Triton kernel read. This kernel wants each block
+of R output rows as chunks of R rows x 8 inputs (see the C file; R is 16 where the
+build has AVX-512 VNNI, else 8: `rows_per_block`), so a layer is repacked once, at
+its first CPU call (`repack`), beside its tile64 codes.
 
 Activations are quantized per row and per weight group (symmetric, scale max|x| /
 127), so an outlier only coarsens its own group. `w4a8_mm_reference` is the same
 maths in float64 torch: the tests hold the kernel to it, and to batch invariance.
 Where the kernel cannot be built (no compiler, no AVX2), `available()` is False and
-INT4 layers keep to the weight-only path. W8A8 reads INT8 codes as 32-byte chunks of
-8 rows x 4 inputs (`repack_int8`) with the INT8 layer's per-row scales.
+INT4 layers keep to the weight-only path. W8A8 reads INT8 codes as chunks of R rows x
+4 inputs (`repack_int8`) with the INT8 layer's per-row scales.
 """
 
 from __future__ import annotations
@@ -34,10 +35,9 @@ threads (native.OPENMP). -march=native turns on the VNNI dot products where the
 CPU has them (see the C file)."""
 WITHOUT_VNNI_FLAGS = ("-mno-avx512vnni", "-mno-avxvnni")
 """Added to the flags, they build the AVX2 path on a VNNI CPU (the tests compare both)."""
-ROWS_PER_BLOCK = 8
 INPUTS_PER_CHUNK = 8
-PARALLEL_MIN_BLOCKS = 64
-"""Fewer 8-row blocks than this run on one thread: waking the others costs more."""
+PARALLEL_MIN_ROWS = 512
+"""Fewer output rows than this run on one thread: waking the others costs more."""
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _SIGNATURES: dict[str, native.Signature] = {
@@ -45,6 +45,7 @@ _SIGNATURES: dict[str, native.Signature] = {
     "w4a8_matmul": ([_P] * 7 + [_I] * 5, None),
     "w8a8_matmul": ([_P] * 5 + [_I] * 5, None),
     "w4a8_uses_vnni": ([], ctypes.c_int),
+    "w4a8_rows_per_block": ([], ctypes.c_int),
 }
 INT8_INPUTS_PER_CHUNK = 4
 
@@ -55,8 +56,9 @@ class A8Weight:
     (W8A8)."""
 
     codes: torch.Tensor
-    """INT4: uint8 [N / 8, K / 8, 32], per 8-row block chunks of 8 rows x 8 inputs, two
-    codes a byte. INT8: int8 [N / 8, K / 4, 32], chunks of 8 rows x 4 inputs."""
+    """INT4: uint8 [N / R, K / 8, 4 R], per R-row block chunks of R rows x 8 inputs, two
+    codes a byte. INT8: int8 [N / R, K / 4, 4 R], chunks of R rows x 4 inputs. R is the
+    building library's `rows_per_block()`."""
     scales: torch.Tensor
     """INT4: fp32 [K / group, N], s, each group's step. INT8: fp32 [N], each row's step."""
     group_size: int
@@ -81,10 +83,17 @@ def uses_vnni() -> bool:
     return lib is not None and bool(lib.w4a8_uses_vnni())
 
 
+def rows_per_block() -> int:
+    """Output rows per weight block in the built kernel's layout: 16 with AVX-512 VNNI, else 8."""
+    lib = _library()
+    assert lib is not None, "call available() first"
+    return int(lib.w4a8_rows_per_block())
+
+
 def supports(out_features: int, in_features: int, group_size: int) -> bool:
     """Shapes the kernel's blocking takes (every Llama projection with a group of 32-128)."""
     return (
-        out_features % ROWS_PER_BLOCK == 0
+        out_features % rows_per_block() == 0
         and group_size % INPUTS_PER_CHUNK == 0
         and in_features % group_size == 0
     )
@@ -96,11 +105,14 @@ def repack(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
     n, k = codes.shape
     if not supports(n, k, group_size):
         shape = f"{n}x{k}, group {group_size}"
-        raise ValueError(f"W4A8 takes N % 8 == 0 and groups of 8j dividing K, got {shape}")
-    chunks = codes.view(n // ROWS_PER_BLOCK, ROWS_PER_BLOCK, k // INPUTS_PER_CHUNK, 2, 4)
+        raise ValueError(
+            f"W4A8 takes N % {rows_per_block()} == 0 and groups of 8j dividing K, got {shape}"
+        )
+    rows = rows_per_block()
+    chunks = codes.view(n // rows, rows, k // INPUTS_PER_CHUNK, 2, 4)
     chunks = chunks.permute(0, 2, 1, 3, 4)  # [block, chunk, row, half, input]
     low, high = chunks[..., 0, :], chunks[..., 1, :]
-    chunk_bytes = (low | (high << 4)).reshape(n // ROWS_PER_BLOCK, k // INPUTS_PER_CHUNK, 32)
+    chunk_bytes = (low | (high << 4)).reshape(n // rows, k // INPUTS_PER_CHUNK, 4 * rows)
     scales, zeros = scales_and_zeros.float().unbind(-1)
     return A8Weight(chunk_bytes.contiguous(), scales.contiguous(), group_size, zeros.contiguous())
 
@@ -110,9 +122,12 @@ def repack_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) ->
     per `group_size` inputs."""
     n, k = qweight.shape
     if not supports(n, k, group_size):
-        raise ValueError(f"W8A8 takes N % 8 == 0 and groups of 8j dividing K, got {n}x{k}")
-    chunks = qweight.view(n // ROWS_PER_BLOCK, ROWS_PER_BLOCK, k // INT8_INPUTS_PER_CHUNK, 4)
-    chunk_bytes = chunks.permute(0, 2, 1, 3).reshape(n // ROWS_PER_BLOCK, -1, 32)
+        raise ValueError(
+            f"W8A8 takes N % {rows_per_block()} == 0 and groups of 8j dividing K, got {n}x{k}"
+        )
+    rows = rows_per_block()
+    chunks = qweight.view(n // rows, rows, k // INT8_INPUTS_PER_CHUNK, 4)
+    chunk_bytes = chunks.permute(0, 2, 1, 3).reshape(n // rows, -1, 4 * rows)
     return A8Weight(chunk_bytes.contiguous(), scales.float().contiguous(), group_size)
 
 
@@ -125,7 +140,7 @@ def a8_mm(x: torch.Tensor, weight: A8Weight) -> torch.Tensor:
     xq, scale, code_sum = _quantize(lib, x, weight.group_size)
     (m, k), n, zeros = xq.shape, weight.out_features, weight.zeros
     out = torch.empty((m, n), dtype=torch.float32)
-    threads = torch.get_num_threads() if n // ROWS_PER_BLOCK >= PARALLEL_MIN_BLOCKS else 1
+    threads = torch.get_num_threads() if n >= PARALLEL_MIN_ROWS else 1
     args = (out.data_ptr(), m, n, k, weight.group_size, threads)
     w, s = weight.codes.data_ptr(), weight.scales.data_ptr()
     if zeros is None:
