@@ -43,7 +43,7 @@ _I = ctypes.c_int64
 _SIGNATURES: dict[str, native.Signature] = {
     "w4a8_quantize": ([_P, _I, _I, _I, _P, _P, _P], None),
     "w4a8_matmul": ([_P] * 7 + [_I] * 5, None),
-    "w8a8_matmul": ([_P] * 5 + [_I] * 5, None),
+    "w8a8_matmul": ([_P] * 6 + [_I] * 5, ctypes.c_int),
     "w4a8_uses_vnni": ([], ctypes.c_int),
     "w4a8_rows_per_block": ([], ctypes.c_int),
 }
@@ -65,6 +65,9 @@ class A8Weight:
     """Inputs per activation scale (INT4: the weight's own groups)."""
     zeros: torch.Tensor | None = None
     """INT4: fp32 [K / group, N], z, the value of code 8. INT8: None."""
+    offsets: torch.Tensor | None = None
+    """INT8: int32 [K / group, N], 128 times each group's weight sum: what the VNNI path's
+    activations, shifted by +128 to unsigned, add to each dot product. INT4: None."""
 
     @property
     def out_features(self) -> int:
@@ -128,7 +131,11 @@ def repack_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) ->
     rows = rows_per_block()
     chunks = qweight.view(n // rows, rows, k // INT8_INPUTS_PER_CHUNK, 4)
     chunk_bytes = chunks.permute(0, 2, 1, 3).reshape(n // rows, -1, 4 * rows)
-    return A8Weight(chunk_bytes.contiguous(), scales.float().contiguous(), group_size)
+    group_sums = qweight.view(n, k // group_size, group_size).sum(-1, dtype=torch.int32)
+    offsets = (group_sums * 128).T.contiguous()
+    return A8Weight(
+        chunk_bytes.contiguous(), scales.float().contiguous(), group_size, None, offsets
+    )
 
 
 def a8_mm(x: torch.Tensor, weight: A8Weight) -> torch.Tensor:
@@ -144,7 +151,11 @@ def a8_mm(x: torch.Tensor, weight: A8Weight) -> torch.Tensor:
     args = (out.data_ptr(), m, n, k, weight.group_size, threads)
     w, s = weight.codes.data_ptr(), weight.scales.data_ptr()
     if zeros is None:
-        lib.w8a8_matmul(xq.data_ptr(), scale.data_ptr(), w, s, *args)
+        assert weight.offsets is not None
+        status = lib.w8a8_matmul(xq.data_ptr(), scale.data_ptr(), w, weight.offsets.data_ptr(),
+                                 s, *args)  # fmt: skip
+        if status != 0:
+            raise MemoryError("W8A8: no memory for the shifted activations")
     else:
         lib.w4a8_matmul(xq.data_ptr(), scale.data_ptr(), code_sum.data_ptr(), w, s,
                         zeros.data_ptr(), *args)  # fmt: skip
