@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.kernels.argmax import argmax_rows
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -44,7 +45,7 @@ def sample(
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row of `logits` [N, V], and its log-probability under the raw model for
     the rows whose request asked for logprobs (None for the others: no softmax is spent)."""
-    argmax = logits.argmax(dim=-1).tolist()  # one batched call serves every plain greedy row
+    argmax = argmax_rows(logits)  # one batched call serves every plain greedy row
     token_ids = [
         argmax[i] if _is_plain_greedy(row) else sample_row(logits[i], row)
         for i, row in enumerate(rows)
