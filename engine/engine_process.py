@@ -17,6 +17,7 @@ fails every live stream when the child's end does.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import multiprocessing
@@ -33,6 +34,19 @@ from engine.outputs import EngineStats
 from engine.prompt_limits import PromptLimits
 
 log = logging.getLogger(__name__)
+
+_interpreter_exiting = False
+"""Set by an exit hook registered after multiprocessing's, so it runs before it: a child
+that multiprocessing then ends (SIGTERM, reaped by whichever thread joins first, so its
+exit code may read as None here) went with the interpreter, not by failing."""
+
+
+def _mark_interpreter_exiting() -> None:
+    global _interpreter_exiting
+    _interpreter_exiting = True
+
+
+atexit.register(_mark_interpreter_exiting)
 
 
 class EngineProcess:
@@ -102,7 +116,7 @@ class EngineProcess:
             code = self._process.exitcode
             # At interpreter exit multiprocessing ends daemons with SIGTERM, or this side's
             # end of the pipe is closed first: neither is a failure.
-            ended_at_exit = code == -signal.SIGTERM or self._conn.closed
+            ended_at_exit = _interpreter_exiting or code == -signal.SIGTERM or self._conn.closed
             log.log(logging.INFO if ended_at_exit else logging.ERROR,
                     "engine process exited (code %s): its streams end", code)  # fmt: skip
             self._lost(EngineRequestError("the engine process exited"))

@@ -92,6 +92,28 @@ def test_the_child_exits_when_its_parent_is_killed():
     assert wait_until(lambda: exited(child_pid)), "the engine process outlived its parent"
 
 
+ORDINARY_EXIT = """
+import logging, sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+from engine_helpers import TEST_ENGINE_CONFIG
+from engine.async_engine import AsyncLLMEngine
+from engine.config import EngineConfig
+engine = AsyncLLMEngine(EngineConfig(**TEST_ENGINE_CONFIG, separate_process=True))
+print("started", flush=True)
+"""
+
+
+def test_an_ordinary_exit_is_not_logged_as_the_engine_process_failing():
+    tests_dir = Path(__file__).parent
+    run = subprocess.run(
+        [sys.executable, "-c", ORDINARY_EXIT, str(tests_dir.parent), str(tests_dir)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0 and "started" in run.stdout, run.stderr
+    assert "ERROR" not in run.stderr, run.stderr
+
+
 def test_a_step_counts_as_stalled_only_while_it_runs_past_the_timeout():
     assert not is_stalled(ctypes.c_double(0.0), timeout_s=1.0)  # no step running
     assert not is_stalled(ctypes.c_double(time.monotonic()), timeout_s=1.0)
