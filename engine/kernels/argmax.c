@@ -10,18 +10,13 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "lanes.h"
+
 #ifndef __AVX2__
 #error "the argmax kernel needs AVX2 (the sampler falls back to torch.argmax)"
 #endif
 
 #define LANES 8
-
-static float max_of_lanes(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
 
 /* The row's largest number (NaNs skipped: max_ps keeps its second operand when the first
  * is NaN); *has_nan set when a NaN was seen. -inf for a row of -inf. */
@@ -33,7 +28,7 @@ static float row_max(const float *x, int64_t n, int *has_nan) {
         best = _mm256_max_ps(v, best);
         unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     }
-    float m = max_of_lanes(best);
+    float m = max_of_8(best);
     int nan = _mm256_movemask_ps(unordered) != 0;
     for (; i < n; i++) {
         if (isnan(x[i])) nan = 1;

@@ -39,6 +39,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "lanes.h"
+
 #ifndef __AVX2__
 #error "the W4A8 kernel needs AVX2 (the engine falls back to its torch path)"
 #endif
@@ -106,20 +108,6 @@ typedef __m256 vfloat;
 #define INPUTS_PER_CHUNK 8
 #define CHUNK_BYTES (4 * ROWS_PER_BLOCK)
 #define MAX_TILE 4 /* activation rows sharing each weight chunk (more measured slower) */
-
-static inline float max_of_8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-
-static inline int32_t sum_of_8(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-    return _mm_cvtsi128_si32(s);
-}
 
 /* One group of activations (a multiple of 8) -> int8 codes; returns their sum. The
  * rounding is the CPU's default, to nearest even, as nearbyintf and torch.round. */

@@ -106,12 +106,7 @@ def repack(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
     """tile64 codes and [G, N, 2] (scale, zero) -> the kernel's layout."""
     codes = unpack_int4(packed)  # [N, K]
     n, k = codes.shape
-    if not supports(n, k, group_size):
-        shape = f"{n}x{k}, group {group_size}"
-        raise ValueError(
-            f"W4A8 takes N % {rows_per_block()} == 0 and groups of 8j dividing K, got {shape}"
-        )
-    rows = rows_per_block()
+    rows = _block_rows("W4A8", n, k, group_size)
     chunks = codes.view(n // rows, rows, k // INPUTS_PER_CHUNK, 2, 4)
     chunks = chunks.permute(0, 2, 1, 3, 4)  # [block, chunk, row, half, input]
     low, high = chunks[..., 0, :], chunks[..., 1, :]
@@ -124,11 +119,7 @@ def repack_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) ->
     """int8 [N, K] codes and per-row scales [N] -> the kernel's layout, activations quantized
     per `group_size` inputs."""
     n, k = qweight.shape
-    if not supports(n, k, group_size):
-        raise ValueError(
-            f"W8A8 takes N % {rows_per_block()} == 0 and groups of 8j dividing K, got {n}x{k}"
-        )
-    rows = rows_per_block()
+    rows = _block_rows("W8A8", n, k, group_size)
     chunks = qweight.view(n // rows, rows, k // INT8_INPUTS_PER_CHUNK, 4)
     chunk_bytes = chunks.permute(0, 2, 1, 3).reshape(n // rows, -1, 4 * rows)
     group_sums = qweight.view(n, k // group_size, group_size).sum(-1, dtype=torch.int32)
@@ -136,6 +127,16 @@ def repack_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) ->
     return A8Weight(
         chunk_bytes.contiguous(), scales.float().contiguous(), group_size, None, offsets
     )
+
+
+def _block_rows(kind: str, n: int, k: int, group_size: int) -> int:
+    """The built kernel's rows per block, once the [n, k] weight is known to fit its blocking."""
+    if not supports(n, k, group_size):
+        raise ValueError(
+            f"{kind} takes N % {rows_per_block()} == 0 and groups of 8j dividing K, "
+            f"got {n}x{k}, group {group_size}"
+        )
+    return rows_per_block()
 
 
 def a8_mm(x: torch.Tensor, weight: A8Weight) -> torch.Tensor:
