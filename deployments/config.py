@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -268,54 +269,106 @@ class IngressConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_references(self) -> IngressConfig:
-        pools = {p.name for p in self.pools}
-        tiers = {t.name for t in self.tiers}
         _require_unique("pool", [p.name for p in self.pools])
         _require_unique("tier", [t.name for t in self.tiers])
-        for tier in self.tiers:
-            for pool in (tier.pool, tier.overflow_pool):
-                if pool is not None and pool not in pools:
-                    raise ValueError(
-                        f"tier {tier.name!r} names pool {pool!r}; pools: {sorted(pools)}"
-                    )
-        keys = [self.gateway.anonymous, *self.gateway.api_keys]
-        defaults = [self.default_tier, *(k.default_tier for k in keys)]
-        for name in defaults:
-            if name is not None and name not in tiers:
-                raise ValueError(f"default tier {name!r} is not a tier; tiers: {sorted(tiers)}")
-        for key in keys:
-            unknown = sorted(set(key.allowed_tiers or ()) - tiers)
-            if unknown:
-                raise ValueError(f"API key {key.name!r} allows unknown tiers {unknown}")
-        if self.batch_jobs.tier not in tiers:
-            raise ValueError(f"batch_jobs.tier {self.batch_jobs.tier!r} is not a tier")
+        self._check_pool_references()
+        self._check_tier_references()
+        self._check_small_model()
         for tier in self.tiers:
             if tier.deadline_s is not None and tier.deadline_s > self.request_timeout_s:
                 raise ValueError(
                     f"tier {tier.name!r} deadline_s {tier.deadline_s} exceeds "
                     f"request_timeout_s {self.request_timeout_s}"
                 )
-        self._check_small_model()
         return self
 
+    def _check_pool_references(self) -> None:
+        """Every field that names a pool names one this config has: a typo (or a pool a
+        copied config dropped) fails at load, not in a replica's start-up."""
+        pools = sorted(p.name for p in self.pools)
+        references = [
+            (f"tiers[{t.name}].{field}", getattr(t, field))
+            for t in self.tiers
+            for field in ("pool", "overflow_pool")
+        ]
+        if self.small_model is not None:
+            references.append(("small_model.pool", self.small_model.pool))
+        for field, name in references:
+            if name is not None and name not in pools:
+                raise ValueError(f"{field} {name!r} is not a pool; pools: {pools}")
+        for pool in self.pools:
+            self._check_draft_model(pool)
+
+    def _check_draft_model(self, pool: PoolConfig) -> None:
+        """A draft model is an engine model ('default', 'student', a file or a folder); one
+        named like a pool, or by a pool's public model name, would only fail in the
+        replica, as a missing folder. Say which engine model that pool runs instead."""
+        spec = pool.engine.spec_decode
+        if spec is None or spec.method != "draft" or spec.draft_model is None:
+            return
+        named = [p for p in self.pools if spec.draft_model in (p.name, p.model_name)]
+        if named and spec.draft_model != named[0].engine.model:
+            raise ValueError(
+                f"pools[{pool.name}].engine.spec_decode.draft_model {spec.draft_model!r} "
+                f"names pool {named[0].name!r}, not a model: use its engine model "
+                f"{named[0].engine.model!r} (a draft model is 'default', 'student', a .gguf "
+                f"file or an HF folder); pools: {sorted(p.name for p in self.pools)}"
+            )
+
+    def _check_tier_references(self) -> None:
+        """Default tiers, keys' allowed tiers and the batch jobs' tier exist."""
+        tiers = sorted(t.name for t in self.tiers)
+        keys = [self.gateway.anonymous, *self.gateway.api_keys]
+        references = [
+            ("default_tier", self.default_tier),
+            ("batch_jobs.tier", self.batch_jobs.tier),
+            *((f"API key {k.name!r} default_tier", k.default_tier) for k in keys),
+        ]
+        for field, name in references:
+            if name is not None and name not in tiers:
+                raise ValueError(f"{field} {name!r} is not a tier; tiers: {tiers}")
+        for key in keys:
+            unknown = sorted(set(key.allowed_tiers or ()) - set(tiers))
+            if unknown:
+                raise ValueError(
+                    f"API key {key.name!r} allows unknown tiers {unknown}; tiers: {tiers}"
+                )
+
     def _check_small_model(self) -> None:
+        """The small pool is its own (no tier's) and serves a model other than the default."""
         if self.small_model is None:
             return
         name = self.small_model.pool
-        if name not in {p.name for p in self.pools}:
-            raise ValueError(f"small_model.pool {name!r} is not a pool")
         if any(name in (t.pool, t.overflow_pool) for t in self.tiers):
             raise ValueError(f"small_model.pool {name!r} must not be a tier's pool")
         if self.pool(name).model_name == self.model_name:
             raise ValueError(f"the small pool {name!r} must serve a model other than the default")
 
     def tier(self, name: str) -> Tier:
-        """The tier called `name` (names are checked at load)."""
-        return next(t for t in self.tiers if t.name == name)
+        """The tier called `name`; KeyError naming the tiers there are."""
+        return _named("tier", self.tiers, name)
 
     def pool(self, name: str) -> PoolConfig:
-        """The pool called `name` (names are checked at load)."""
-        return next(p for p in self.pools if p.name == name)
+        """The pool called `name`; KeyError naming the pools there are."""
+        return _named("pool", self.pools, name)
+
+    def with_changes(self, **changes: object) -> Self:
+        """A copy with `changes`, validated again. pydantic's `model_copy(update=...)` skips
+        validation: bench_sla's shared-pool copy kept `small_model.pool` naming a pool it had
+        dropped, and every ingress replica died at start."""
+        return self.model_validate({**dict(self), **changes})
+
+
+_Named = TypeVar("_Named", Tier, PoolConfig)
+
+
+def _named(kind: str, items: tuple[_Named, ...], name: str) -> _Named:
+    """The item called `name`. A KeyError, not the StopIteration of a bare `next()`, which an
+    async caller (the ingress's constructor) turns into an anonymous RuntimeError."""
+    for item in items:
+        if item.name == name:
+            return item
+    raise KeyError(f"no {kind} {name!r}; {kind}s: {sorted(i.name for i in items)}")
 
 
 def require_at_least(model: BaseModel, field: str, floor: str) -> None:

@@ -185,6 +185,13 @@ def goodput(client: Client, outcomes: list[Outcome], tier: str) -> float:
     return sum(client.met_slo(o) for o in admitted) / len(admitted) if admitted else 1.0
 
 
+def deployments(config: TierserveConfig, factor: float) -> dict[str, TierserveConfig]:
+    """The two deployments compared, by name: tierserve as configured and one shared pool,
+    both with the SLOs scaled by `factor` (tests build both, so neither breaks unseen)."""
+    scaled = config.with_changes(tiers=scaled_tiers(config, factor))
+    return {"tierserve": scaled, "shared pool": shared_config(scaled)}
+
+
 def scaled_tiers(config: TierserveConfig, factor: float) -> tuple[Tier, ...]:
     """The configured tiers with TTFT and TPOT targets multiplied by `factor`."""
     return tuple(
@@ -194,7 +201,8 @@ def scaled_tiers(config: TierserveConfig, factor: float) -> tuple[Tier, ...]:
 
 
 def shared_config(config: TierserveConfig) -> TierserveConfig:
-    """One pool, one batch size, every tier first come first served."""
+    """One pool, one batch size, every tier first come first served; no small model (its
+    pool is not there, and routing to it is one of the levers compared against)."""
     base = config.pool("interactive")
     engine = dataclasses.replace(base.engine, max_num_seqs=SHARED_MAX_NUM_SEQS, spec_decode=None)
     pool = base.model_copy(update={"name": "shared", "engine": engine, "max_queued_requests": 4096})
@@ -204,7 +212,7 @@ def shared_config(config: TierserveConfig) -> TierserveConfig:
         )  # fmt: skip
         for t in config.tiers
     )
-    return config.model_copy(update={"pools": (pool,), "tiers": tiers})
+    return config.with_changes(pools=(pool,), tiers=tiers, small_model=None)
 
 
 def machine_factor(config: TierserveConfig) -> float:
@@ -335,24 +343,31 @@ def _plot(ours: dict[float, float], shared: dict[float, float], path: Path) -> N
     log(f"wrote {path}")
 
 
-def main() -> None:
-    """Measure the machine, run both deployments, report."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line: --quick, --config, --out."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--config", type=Path, default=Path("configs/local.yaml"))
     parser.add_argument("--out", type=Path, default=Path("."))
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    """Measure the machine, run both deployments, report."""
+    args = parse_args()
     plan = QUICK if args.quick else FULL
     config = load_config(args.config)
     factor = machine_factor(config)
     log(f"SLOs scaled by {factor:.2f} (batch-1 decode step / {REFERENCE_TPOT_MS} ms)")
-    config = config.model_copy(update={"tiers": scaled_tiers(config, factor)})
-    ours = asyncio.run(run_deployment("tierserve", config, plan))
-    shared = asyncio.run(run_deployment("shared pool", shared_config(config), plan))
+    results = {
+        name: asyncio.run(run_deployment(name, deployment, plan))
+        for name, deployment in deployments(config, factor).items()
+    }
+    ours = results["tierserve"]
     args.out.mkdir(parents=True, exist_ok=True)
-    report(ours, shared, factor, args.out)
+    report(ours, results["shared pool"], factor, args.out)
     summary = {t: [o.status for o in ours["overload"] if o.tier == t].count(429) for t in TIERS}
     log(f"429s per tier under overload: {json.dumps(summary)}")
 

@@ -87,11 +87,8 @@ def _args(**changes: object) -> dict:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"default_tier": "gold"}, "default tier 'gold' is not a tier"),
-        (
-            {"tiers": [{"name": "x", "ttft_ms": 1, "tpot_ms": 1, "pool": "nope"}]},
-            "names pool 'nope'",
-        ),
+        ({"default_tier": "gold"}, "default_tier 'gold' is not a tier; tiers: \\['batch', "),
+        ({"batch_jobs": {"tier": "bulk"}}, "batch_jobs.tier 'bulk' is not a tier"),
         ({"typo_field": 1}, "Extra inputs are not permitted"),
     ],
 )
@@ -103,13 +100,51 @@ def test_bad_config_fails_with_a_useful_message(changes: dict, message: str) -> 
 @pytest.mark.parametrize(
     ("pool", "message"),
     [
-        ("nope", "small_model.pool 'nope' is not a pool"),
+        ("nope", "small_model.pool 'nope' is not a pool; pools: \\['interactive', 'offline', "),
         ("interactive", "must not be a tier's pool"),
     ],
 )
 def test_the_small_model_must_be_a_pool_of_its_own(pool: str, message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         TierserveConfig.model_validate(_args(small_model={"pool": pool}))
+
+
+@pytest.mark.parametrize("field", ["pool", "overflow_pool"])
+def test_a_tier_naming_a_missing_pool_is_refused_naming_the_field_and_pools(field: str) -> None:
+    args = _args()
+    args["tiers"][0][field] = "gpu"
+    message = rf"tiers\[interactive\].{field} 'gpu' is not a pool; pools: \['interactive', "
+    with pytest.raises(ValidationError, match=message):
+        TierserveConfig.model_validate(args)
+
+
+@pytest.mark.parametrize("draft", ["small", "SmolLM2-student"])
+def test_a_draft_model_named_like_a_pool_is_refused_naming_its_engine_model(draft: str) -> None:
+    args = _args()
+    args["pools"][0]["engine"]["spec_decode"] = {"method": "draft", "draft_model": draft}
+    message = rf"pools\[interactive\].engine.spec_decode.draft_model '{draft}' names pool 'small'"
+    with pytest.raises(ValidationError, match=message + ".*use its engine model 'student'"):
+        TierserveConfig.model_validate(args)
+
+
+def test_a_draft_model_naming_an_engine_model_is_accepted() -> None:
+    args = _args()
+    args["pools"][0]["engine"]["spec_decode"] = {"method": "draft", "draft_model": "student"}
+    TierserveConfig.model_validate(args)
+
+
+def test_a_changed_copy_is_validated_again() -> None:
+    """`model_copy(update=...)` skips validation; `with_changes` is how configs are derived."""
+    config = TierserveConfig.model_validate(_args())
+    with pytest.raises(ValidationError, match="small_model.pool 'small' is not a pool"):
+        config.with_changes(pools=(config.pool("interactive"), config.pool("offline")))
+    assert config.with_changes(log_level="DEBUG").log_level == "DEBUG"
+
+
+def test_looking_up_a_missing_pool_names_the_pools() -> None:
+    config = TierserveConfig.model_validate(_args())
+    with pytest.raises(KeyError, match=r"no pool 'gpu'; pools: \['interactive', 'offline'"):
+        config.pool("gpu")
 
 
 def test_the_small_pool_must_serve_another_model() -> None:
