@@ -5,7 +5,10 @@ only know a token's leading space from its neighbour. So each delta is the
 difference between decoding a short window with and without the new tokens,
 and nothing is emitted while the window ends in a half character (U+FFFD).
 Stop strings may straddle deltas: the last `len(longest stop) - 1`
-characters are held back until they can no longer begin one.
+characters are held back until they can no longer begin one. The stop string
+itself is cut out unless the request asks to keep it
+(`include_stop_str_in_output`, vLLM's field); special tokens are left out of
+the text unless it asks for them (`skip_special_tokens: false`).
 """
 
 from __future__ import annotations
@@ -19,8 +22,14 @@ _CONTEXT_TOKENS = 4
 class IncrementalDetokenizer:
     """Token ids in, text deltas out: only text whose bytes are complete is released."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0  # start of the window decoded for context
         self.read_offset = len(self.token_ids)  # tokens before this were already emitted
@@ -37,14 +46,15 @@ class IncrementalDetokenizer:
         return full[len(seen) :]
 
     def _decode(self, token_ids: list[int]) -> str:
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens))
 
 
 class StopStringFilter:
     """Holds text back just long enough to cut any stop string out of the stream."""
 
-    def __init__(self, stop: tuple[str, ...]) -> None:
+    def __init__(self, stop: tuple[str, ...], include_stop: bool = False) -> None:
         self.stop = stop
+        self.include_stop = include_stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.pending = ""
 
@@ -54,10 +64,11 @@ class StopStringFilter:
         `final` flushes what is held back: the request ends for another reason.
         """
         buffer = self.pending + text
-        hit = min((i for i in (buffer.find(s) for s in self.stop) if i >= 0), default=-1)
-        if hit >= 0:
+        hits = [(i, -len(s)) for i, s in ((buffer.find(s), s) for s in self.stop) if i >= 0]
+        if hits:  # the earliest stop string; of those starting there, the longest
+            start, minus_length = min(hits)
             self.pending = ""
-            return buffer[:hit], True
+            return buffer[: start - minus_length if self.include_stop else start], True
         cut = len(buffer) if final else max(len(buffer) - self.holdback, 0)
         self.pending = buffer[cut:]
         return buffer[:cut], False

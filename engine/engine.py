@@ -120,8 +120,10 @@ class LLMEngine:
         )  # fmt: skip
         self.requests[request_id] = _Tracked(
             request=request,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
-            stop_filter=StopStringFilter(params.stop),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens
+            ),
+            stop_filter=StopStringFilter(params.stop, params.include_stop_str_in_output),
         )
         self.num_prompt_tokens += len(prompt_token_ids)
         self.scheduler.add(request)
@@ -261,7 +263,9 @@ class LLMEngine:
         """Detokenize the kept tokens, apply stop strings, and release a finished request."""
         tracked = self.requests[request.request_id]
         reason = request.finish_reason
-        text_ids = token_ids[:-1] if reason == "stop" else token_ids  # a stop token has no text
+        # A stop token's text is kept only when asked (vLLM's rule)
+        drop_stop_token = reason == "stop" and not request.params.include_stop_str_in_output
+        text_ids = token_ids[:-1] if drop_stop_token else token_ids
         text = tracked.detokenizer.push(text_ids)
         text, hit_stop_string = tracked.stop_filter.push(text, final=reason is not None)
         if hit_stop_string:

@@ -43,3 +43,15 @@ class PromptLimits:
             )
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size})")
+        self._check_sampling_token_ids(params)
+
+    def _check_sampling_token_ids(self, params: SamplingParams) -> None:
+        """The token ids a request's sampling names must index the logits."""
+        named = {
+            "logit_bias": [token_id for token_id, _ in params.logit_bias],
+            "stop_token_ids": params.stop_token_ids,
+        }
+        for name, token_ids in named.items():
+            if any(t >= self.vocab_size for t in token_ids):
+                message = f"{name} token ids must be below the vocabulary size {self.vocab_size}"
+                raise ValueError(message)

@@ -1,4 +1,5 @@
-"""Turn logits into tokens: penalties, temperature, top-k / top-p, seeded draws.
+"""Turn logits into tokens: biases and penalties, temperature, top-k / top-p / min-p,
+seeded draws.
 
 A draw is the exponential race: the token maximising p(x) / E(x), with E
 Exp(1) noise generated from the request's seed and the output position alone.
@@ -8,11 +9,18 @@ and whether or not speculation guessed it (verification keeps a draft exactly
 when it is the token the target draws there). With batch-invariant logits
 (engine.model.batch_invariance) a seeded request therefore returns the same
 text every time. `probs_for` exposes the processed distribution so a draft
-model draws from the very same temperature / top-k / top-p.
+model draws from the very same temperature / top-k / top-p / min-p.
+
+The order is vLLM's and transformers': logit biases, the repetition penalty,
+presence and frequency penalties, the min_tokens ban (all on the raw logits);
+then temperature, top-k, top-p and min-p. The penalties read the output so
+far, so verification counts the drafts accepted before each position as
+output: every position is sampled exactly as it would be without drafts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -32,12 +40,25 @@ class SampleRow:
     params: SamplingParams
     seed: int
     """The request's sampling seed (its own, or one the engine drew for it)."""
-    seen_token_ids: list[int]
-    """Prompt and output so far: for the repetition penalty."""
+    seen_token_ids: Sequence[int]
+    """Prompt and output so far: for the repetition penalty (empty when it is off)."""
     num_output_tokens: int
     """Tokens produced so far: the next one's position, which keys its random draw."""
     banned_until_min_tokens: tuple[int, ...]
     """EOS and stop token ids, masked while fewer than min_tokens were produced."""
+    output_token_ids: Sequence[int] = ()
+    """Output so far: for the presence and frequency penalties (empty when they are off)."""
+
+    def after(self, accepted: Sequence[int]) -> SampleRow:
+        """The row at the position after `accepted` drafts, which count as output there."""
+        if not accepted:
+            return self
+        return replace(
+            self,
+            seen_token_ids=[*self.seen_token_ids, *accepted],
+            output_token_ids=[*self.output_token_ids, *accepted],
+            num_output_tokens=self.num_output_tokens + len(accepted),
+        )
 
 
 def sample(
@@ -77,7 +98,7 @@ def _is_plain_greedy(row: SampleRow) -> bool:
     """Greedy with no logit adjustment due: the batched argmax is its answer."""
     params = row.params
     banned = row.num_output_tokens < params.min_tokens and row.banned_until_min_tokens
-    return params.greedy and params.repetition_penalty == 1.0 and not banned
+    return params.greedy and not params.adjusts_logits and not banned
 
 
 def sample_row(logits: torch.Tensor, row: SampleRow) -> int:
@@ -104,17 +125,33 @@ def _position_generator(seed: int, position: int) -> torch.Generator:
 
 
 def adjust_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
-    """Apply the repetition penalty and the min_tokens ban (before any sampling choice)."""
+    """Apply the biases, the penalties and the min_tokens ban (before any sampling choice)."""
     params = row.params
+    if params.logit_bias:
+        logits = apply_logit_bias(logits, params.logit_bias)
     if params.repetition_penalty != 1.0 and row.seen_token_ids:
         logits = apply_repetition_penalty(logits, row.seen_token_ids, params.repetition_penalty)
+    if params.reads_output and row.output_token_ids:
+        logits = apply_presence_frequency_penalties(
+            logits, row.output_token_ids, params.presence_penalty, params.frequency_penalty
+        )
     if row.num_output_tokens < params.min_tokens and row.banned_until_min_tokens:
         logits = logits.clone()
         logits[list(row.banned_until_min_tokens)] = float("-inf")
     return logits
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: list[int], penalty: float) -> torch.Tensor:
+def apply_logit_bias(logits: torch.Tensor, bias: Sequence[tuple[int, float]]) -> torch.Tensor:
+    """OpenAI's logit_bias: each listed token's logit plus its bias."""
+    token_ids, values = zip(*bias, strict=True)
+    logits = logits.clone()
+    logits[list(token_ids)] += torch.tensor(values, dtype=logits.dtype)
+    return logits
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, seen: Sequence[int], penalty: float
+) -> torch.Tensor:
     """CTRL's penalty as HF applies it: positive logits of seen tokens shrink, negative grow."""
     index = torch.tensor(sorted(set(seen)), dtype=torch.long)
     picked = logits[index]
@@ -123,10 +160,32 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: list[int], penalty: flo
     return logits
 
 
+def apply_presence_frequency_penalties(
+    logits: torch.Tensor, output_token_ids: Sequence[int], presence: float, frequency: float
+) -> torch.Tensor:
+    """OpenAI's additive rule over the output so far: a token the output holds c > 0 times
+    loses c x frequency + presence from its logit (the prompt does not count)."""
+    token_ids, counts = torch.tensor(output_token_ids, dtype=torch.long).unique(return_counts=True)
+    logits = logits.clone()
+    logits[token_ids] -= counts.to(logits.dtype) * frequency + presence
+    return logits
+
+
 def probs_for(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a non-greedy request samples from: temperature, then top-k, then top-p."""
+    """The distribution a non-greedy request samples from: temperature, then top-k, top-p
+    and min-p."""
     scaled = logits / params.temperature
-    return torch.softmax(mask_top_k_top_p(scaled, params.top_k, params.top_p), dim=-1)
+    masked = mask_top_k_top_p(scaled, params.top_k, params.top_p)
+    return torch.softmax(mask_min_p(masked, params.min_p), dim=-1)
+
+
+def mask_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Set to -inf every logit whose probability is below min_p x the largest (the largest
+    always survives), as transformers' MinPLogitsWarper does."""
+    if min_p <= 0.0:
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
 
 
 def mask_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -154,9 +213,10 @@ def verify(
     """Speculative verification: accepted drafts, then one correction or bonus token.
 
     At each position the target's own token is drawn (`sample_row`: the argmax,
-    or the seeded exponential race); a draft survives while it equals that
-    token. Every emitted token is thus exactly what sampling without drafts
-    would have produced at its position, so the output distribution is the
+    or the seeded exponential race, with the drafts accepted before it counted
+    as output by the penalties); a draft survives while it equals that token.
+    Every emitted token is thus exactly what sampling without drafts would
+    have produced at its position, so the output distribution is the
     target's and a seeded request's text does not depend on the drafts. A
     draft model that races with the same noise (spec_decode) is accepted as
     often as its distribution agrees with the target's. When every draft
@@ -165,7 +225,7 @@ def verify(
     """
     tokens: list[int] = []
     for i, logits_row in enumerate(logits[: len(draft_token_ids) + 1]):
-        token = sample_row(logits_row, replace(row, num_output_tokens=row.num_output_tokens + i))
+        token = sample_row(logits_row, row.after(draft_token_ids[:i]))
         tokens.append(token)
         if i == len(draft_token_ids) or token != draft_token_ids[i]:
             break

@@ -228,11 +228,13 @@ class ModelRunner:
             out.logprobs[request] = logprobs
 
     def _sample_row(self, request: Request) -> SampleRow:
+        """What the sampler reads of a request; token lists only for a penalty that counts them."""
         params = request.params
         return SampleRow(
             params=params,
             seed=request.sampling_seed,
             seen_token_ids=request.token_ids if params.repetition_penalty != 1.0 else [],
+            output_token_ids=request.output_token_ids if params.reads_output else [],
             num_output_tokens=request.num_output_tokens,
             banned_until_min_tokens=(
                 tuple(request.eos_token_ids) + params.stop_token_ids if params.min_tokens else ()
