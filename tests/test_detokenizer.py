@@ -57,6 +57,15 @@ def test_special_tokens_are_not_printed(tokenizer):
     assert deltas == [" there", ""]
 
 
+def test_special_tokens_are_printed_when_not_skipped(tokenizer):
+    prompt_ids = tokenizer.encode("Hi")
+    output_ids = [*tokenizer.encode(" there"), tokenizer.eos_token_id]
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=False)
+    text = "".join(detokenizer.push([t]) for t in output_ids)
+    assert text == " there" + tokenizer.eos_token
+    assert text == tokenizer.decode(output_ids, skip_special_tokens=False)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     text=st.text(alphabet="ab é世界👋😀🇫🇷\n", min_size=1, max_size=24),
@@ -73,9 +82,11 @@ def test_any_chunking_concatenates_to_the_full_decode(tokenizer, text: str, cuts
 # ---- StopStringFilter -----------------------------------------------------------
 
 
-def filter_stream(stop: tuple[str, ...], pieces: list[str]) -> tuple[str, bool]:
+def filter_stream(
+    stop: tuple[str, ...], pieces: list[str], include_stop: bool = False
+) -> tuple[str, bool]:
     """Push pieces until a stop hits (the last piece is final); return (emitted, hit)."""
-    stop_filter, emitted = StopStringFilter(stop), ""
+    stop_filter, emitted = StopStringFilter(stop, include_stop), ""
     for i, piece in enumerate(pieces):
         text, hit = stop_filter.push(piece, final=i == len(pieces) - 1)
         emitted += text
@@ -103,14 +114,23 @@ def test_earliest_of_several_stop_strings_wins():
     assert filter_stream(("world", "lo"), ["hello world"]) == ("hel", True)
 
 
-def unbuffered_stop(stop: tuple[str, ...], pieces: list[str]) -> tuple[str, bool]:
+def test_a_kept_stop_string_ends_the_text():
+    assert filter_stream(("STOP",), ["abc ST", "O", "P and more"], True) == ("abc STOP", True)
+    assert filter_stream(("world", "lo"), ["hello world"], True) == ("hello", True)
+    assert filter_stream(("ab", "abc"), ["xabcd"], True) == ("xabc", True)  # longest at a tie
+
+
+def unbuffered_stop(
+    stop: tuple[str, ...], pieces: list[str], include_stop: bool = False
+) -> tuple[str, bool]:
     """The reference: search everything seen so far after each piece, hold nothing back."""
     seen = ""
     for piece in pieces:
         seen += piece
-        starts = [seen.find(s) for s in stop if s in seen]
-        if starts:
-            return seen[: min(starts)], True
+        hits = sorted((seen.find(s), -len(s)) for s in stop if s in seen)
+        if hits:
+            start, minus_length = hits[0]
+            return seen[: start - minus_length if include_stop else start], True
     return seen, False
 
 
@@ -125,6 +145,8 @@ def test_filter_holding_back_gives_what_an_unbuffered_search_gives(text, stop, c
     emitted, hit = filter_stream(tuple(stop), pieces)
     assert (emitted, hit) == unbuffered_stop(tuple(stop), pieces)
     assert not any(s in emitted for s in stop)
+    kept = filter_stream(tuple(stop), pieces, include_stop=True)
+    assert kept == unbuffered_stop(tuple(stop), pieces, include_stop=True)
 
 
 # ---- through the engine -----------------------------------------------------------
@@ -154,3 +176,36 @@ def test_multibyte_output_streams_without_broken_characters(engine, tokenizer):
     # A request cut off by max_tokens mid-character drops the half character.
     full = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
     assert completion.text == full.rstrip("\ufffd")
+
+
+def test_stop_token_ids_end_the_request_at_the_first_listed_token(engine, tokenizer):
+    prompt = chat_prompt_ids(tokenizer, "What is the capital of France?")
+    free = run_one(engine, prompt, greedy(12))
+    stop_token = free.token_ids[2]
+    first = free.token_ids.index(stop_token)
+
+    stopped = run_one(engine, prompt, greedy(12, stop_token_ids=(stop_token,)))
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[: first + 1]
+    assert stopped.text == tokenizer.decode(free.token_ids[:first], skip_special_tokens=True)
+
+    kept = run_one(
+        engine, prompt, greedy(12, stop_token_ids=(stop_token,), include_stop_str_in_output=True)
+    )
+    assert kept.text == tokenizer.decode(free.token_ids[: first + 1], skip_special_tokens=True)
+
+
+def test_kept_stop_string_and_special_tokens_through_the_engine(engine, tokenizer):
+    prompt = chat_prompt_ids(tokenizer, "Reply with one word: yes or no?")
+    free = run_one(engine, prompt, greedy(16))
+    assert free.finish_reason == "stop" and tokenizer.eos_token not in free.text
+    shown = run_one(
+        engine,
+        prompt,
+        greedy(16, skip_special_tokens=False, include_stop_str_in_output=True),
+    )
+    assert shown.text == free.text + tokenizer.eos_token  # EOS's own text, kept and shown
+
+    stop = free.text[1:3]
+    kept = run_one(engine, prompt, greedy(16, stop=(stop,), include_stop_str_in_output=True))
+    assert kept.finish_reason == "stop" and kept.text == free.text[:3]
