@@ -10,7 +10,9 @@ from deployments.schemas import ErrorDetail, ErrorResponse
 
 
 class ApiError(Exception):
-    """An error the client caused or must react to, with OpenAI's status, type and code."""
+    """An error the client caused or must react to, with OpenAI's status, type and code, and
+    the reason the request log and the admission metric give for it (its code or type
+    unless told: a 429 says which limit refused it)."""
 
     def __init__(
         self,
@@ -20,11 +22,13 @@ class ApiError(Exception):
         code: str | None = None,
         param: str | None = None,
         retry_after_s: float | None = None,
+        reason: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.detail = ErrorDetail(message=message, type=type_, param=param, code=code)
         self.retry_after_s = retry_after_s
+        self.reason = reason or code or type_
 
     def response(self) -> JSONResponse:
         """The error as OpenAI's JSON body with its status (and Retry-After on a 429)."""
@@ -43,9 +47,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
-def too_many_requests(message: str, retry_after_s: float) -> ApiError:
-    """429 with Retry-After: the same request may succeed later."""
-    return ApiError(429, message, type_="rate_limit_exceeded", retry_after_s=retry_after_s)
+def too_many_requests(message: str, retry_after_s: float, reason: str) -> ApiError:
+    """429 with Retry-After: the same request may succeed later. `reason` says what refused
+    it: a key's rate limit or placement's shedding (policies/placement.py's reasons)."""
+    return ApiError(
+        429, message, type_="rate_limit_exceeded", retry_after_s=retry_after_s, reason=reason
+    )
 
 
 def forbidden(message: str, param: str | None = None) -> ApiError:

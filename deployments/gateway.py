@@ -11,6 +11,9 @@ from deployments.config import ApiKeyConfig, CallerPolicy, GatewayConfig
 from deployments.errors import ApiError, bad_request, forbidden, too_many_requests
 from policies.rate_limit import RateLimiter, RequestTooLarge
 
+RATE_LIMITED = "rate_limited"
+"""The reason a key's rate limit gives for its 429s (request log, admission metric)."""
+
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
@@ -71,7 +74,8 @@ class Gateway:
             )
             raise bad_request(message, code="request_too_large") from None
         if retry_after_s is not None:
-            raise too_many_requests(f"Rate limit reached for key {caller.name!r}.", retry_after_s)
+            message = f"Rate limit reached for key {caller.name!r}."
+            raise too_many_requests(message, retry_after_s, reason=RATE_LIMITED)
 
     def _match(self, token: str) -> ApiKeyConfig | None:
         digest = _digest(token)

@@ -58,7 +58,7 @@ from deployments.pool_monitor import PoolMonitor, TrackedSequence
 from deployments.request_body import decode_json_object, read_body
 from deployments.routes import Call, Route, RouteTable
 from deployments.streaming import ChoiceProgress, merge_streams, usage
-from deployments.telemetry import RequestRecord, Telemetry
+from deployments.telemetry import Admission, RequestRecord, Telemetry
 from engine.outputs import RequestOutput
 from engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from policies.difficulty import DifficultyModel, prompt_features
@@ -68,6 +68,8 @@ from policies.tiers import Tier, resolve_tier
 
 log = logging.getLogger(__name__)
 
+MAX_USER_CHARS = 256
+"""The body's `user` is logged up to this length: an id, not a way to fill the log."""
 BATCH_RUNNER = CallerPolicy(name="batch-runner")
 """The caller batch lines run as: the batch's creator was checked for the tier when it
 was created, and the runner's in-flight bound, not a rate limit, paces its lines."""
@@ -94,6 +96,8 @@ class Job:
     """Why this pool: the predicted latency and whether the request was downgraded."""
     model_choice: ModelChoice
     """Which model the request asked for or the router chose, and why."""
+    user: str | None
+    """The body's `user` (OpenAI's end-user id), for the request log."""
 
     @property
     def max_step_s(self) -> float | None:
@@ -223,12 +227,11 @@ class Ingress:
         return Response(self._telemetry.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def _complete(self, request: Request, call: Call, endpoint: type[Endpoint]) -> Response:
-        limits = self._config.limits
-        raw = await read_body(request, limits.max_body_bytes)
-        # Parsing, templating and tokenizing a large body take CPU time: off the event
-        # loop, so one big prompt does not stall every other stream.
-        document = await asyncio.to_thread(decode_json_object, raw, limits.max_json_depth)
-        job = await self._accept(call, document, endpoint, request.headers.get("x-sla-tier"))
+        admission = Admission(call)
+        with self._telemetry.refusals(admission):
+            document = await self._read_document(request)
+            tier = request.headers.get("x-sla-tier")
+            job = await self._accept(admission, document, endpoint, tier)
         events = self._run(job)
         headers = self._headers(job)
         if not job.body.stream:
@@ -239,6 +242,14 @@ class Ingress:
             self._sse(job, _prepend(first, events)), media_type="text/event-stream", headers=headers
         )
 
+    async def _read_document(self, request: Request) -> dict[str, Any]:
+        """The body as a JSON object, within the configured size (413) and depth (400)."""
+        limits = self._config.limits
+        raw = await read_body(request, limits.max_body_bytes)
+        # Parsing, templating and tokenizing a large body take CPU time: off the event
+        # loop, so one big prompt does not stall every other stream.
+        return await asyncio.to_thread(decode_json_object, raw, limits.max_json_depth)
+
     async def run_batch_line(
         self, url: str, document: dict[str, Any]
     ) -> tuple[int, dict[str, Any]]:
@@ -246,9 +257,12 @@ class Ingress:
         the same checks and placement as over HTTP (not the key's rate limits: the runner
         paces its lines); answered as (status, JSON body)."""
         call = Call(uuid.uuid4().hex, time.monotonic(), BATCH_RUNNER)
+        admission = Admission(call)
         try:
             document = {**document, "stream": False}
-            job = await self._accept(call, document, ENDPOINTS[url], self._config.batch_jobs.tier)
+            with self._telemetry.refusals(admission):
+                tier = self._config.batch_jobs.tier
+                job = await self._accept(admission, document, ENDPOINTS[url], tier)
             return 200, await self._collect(job, self._run(job))
         except ApiError as error:
             refusal = error
@@ -258,18 +272,26 @@ class Ingress:
         return refusal.status, refusal.body()
 
     async def _accept(
-        self, call: Call, document: dict[str, Any], endpoint: type[Endpoint], tier_name: str | None
+        self,
+        admission: Admission,
+        document: dict[str, Any],
+        endpoint: type[Endpoint],
+        tier_name: str | None,
     ) -> Job:
-        """The request's job, charged to its caller; the 4xx that refuses it otherwise."""
+        """The request's job, charged to its caller and counted as admitted; the 4xx or 503
+        that refuses it otherwise (`admission` keeps what was learned, for its log line)."""
+        admission.user = _end_user(document)
         body = parse_body(endpoint.schema, document)
         if body.model not in self._models.names:
             message = f"The model {body.model!r} does not exist; use one of {self._models.names}."
             raise ApiError(404, message, code="model_not_found", param="model")
         check_limits(body, self._config.limits)
-        tier = self._tier(tier_name, body, call.caller)
+        tier = self._tier(tier_name, body, admission.call.caller)
+        admission.tier = tier.name
         prompts = await asyncio.to_thread(endpoint.prompt_ids, body, self._tokenizer)
-        job = self._plan(call, body, tier, prompts, endpoint)
-        self._gateway.charge(call.caller, len(job.choices), job.num_reserved_tokens)
+        job = self._plan(admission, body, tier, prompts, endpoint)
+        self._gateway.charge(job.key, len(job.choices), job.num_reserved_tokens)
+        self._telemetry.count_admitted(tier.name, job.placement)
         return job
 
     async def _collect(
@@ -280,23 +302,22 @@ class Ingress:
             pass
         return job.endpoint.response(job.choices).model_dump(mode="json")
 
-    def _plan(
+    def _place(
         self,
-        call: Call,
+        admission: Admission,
         body: schemas.SamplingFields,
         tier: Tier,
         prompts: list[list[int]],
-        endpoint_cls: type[Endpoint],
-    ) -> Job:
-        """Pool, sampling and deadline for a request, or the 4xx that refuses it."""
+    ) -> tuple[ModelChoice, str]:
+        """The model and pool for a request (its placement kept in `admission`), or the
+        429 or 503 that refuses it."""
         if not all(prompts):
             raise bad_request("prompt must not be empty", param="prompt")
-        num_sequences = len(prompts) * body.n
         longest = max(len(p) for p in prompts)
-        shape = RequestShape(longest, body.requested_max_tokens or 0, num_sequences)
+        shape = RequestShape(longest, body.requested_max_tokens or 0, len(prompts) * body.n)
         choice = self._choose_model(body, tier, longest)
         placement = place(choice.tier, shape, self._monitor.states(), jitter=random.random())
-        self._telemetry.count_decision(tier.name, placement.reason, placement.pool)
+        admission.placement = placement
         if placement.reason == "unavailable" and choice.model == self._models.small_model:
             why = self._monitor.unavailable_reason(choice.tier.pool)
             raise model_unavailable(choice.model, why, placement.retry_after_s or 1)
@@ -306,8 +327,23 @@ class Ingress:
             raise too_many_requests(
                 f"Tier {tier.name!r} is over capacity ({placement.reason}).",
                 placement.retry_after_s or 1,
+                reason=placement.reason,
             )
-        pool = placement.pool
+        return choice, placement.pool
+
+    def _plan(
+        self,
+        admission: Admission,
+        body: schemas.SamplingFields,
+        tier: Tier,
+        prompts: list[list[int]],
+        endpoint_cls: type[Endpoint],
+    ) -> Job:
+        """Pool, sampling and deadline for a request, or the 4xx that refuses it."""
+        choice, pool = self._place(admission, body, tier, prompts)
+        call, placement = admission.call, admission.placement
+        assert placement is not None  # _place placed it
+        longest = max(len(p) for p in prompts)
         max_tokens = self._max_tokens(body.requested_max_tokens, longest, pool)
         prefix = "chatcmpl" if endpoint_cls is ChatEndpoint else "cmpl"
         request_id = f"{prefix}-{call.request_id}"
@@ -341,6 +377,7 @@ class Ingress:
             deadline_s=call.start_s + time_limit_s,
             placement=placement,
             model_choice=choice,
+            user=admission.user,
         )
 
     def _choose_model(
@@ -472,6 +509,8 @@ class Ingress:
             prompt_text=prompt_text,
             request_text=job.body.routing_text if log_prompts else None,
             max_tokens=job.body.requested_max_tokens,
+            user=job.user,
+            placement=job.placement,
         )
 
 
@@ -481,6 +520,12 @@ def model_routes(config: IngressConfig) -> ModelRoutes:
     if small is None:
         return ModelRoutes(config.model_name)
     return ModelRoutes(config.model_name, config.pool(small.pool).model_name, small.pool)
+
+
+def _end_user(document: dict[str, Any]) -> str | None:
+    """The body's `user` (OpenAI's id of the caller's end user) when it is a string."""
+    user = document.get("user")
+    return user[:MAX_USER_CHARS] if isinstance(user, str) else None
 
 
 def _nth_seed(seed: int, index: int) -> int:

@@ -1,15 +1,20 @@
 """Prometheus metrics (under vLLM's names, so existing dashboards and autoscalers read them)
-and one log line per request.
+and one log line per request, refused ones included.
 
 Request metrics are labelled by pool and tier; engine metrics come from the
 pools' polled stats and are labelled by pool (an engine batch mixes tiers).
+Every completion request is one admission decision: its placement when it runs,
+else the reason it was refused (placement's shedding, a key's rate limit, a
+bad request), so refusals are counted where admissions are.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -17,9 +22,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from deployments.config import PoolConfig
+from deployments.errors import ApiError
 from deployments.pool_monitor import PoolMonitor
+from deployments.routes import Call
 from deployments.streaming import ChoiceProgress, usage
 from engine.outputs import EngineStats
+from policies.placement import Placement
 from policies.tiers import Tier, meets_slo
 
 request_log = logging.getLogger("ray.serve.tierserve.requests")
@@ -49,6 +57,21 @@ class RequestRecord:
     `tierserve router train --from-logs` retrains the router on these."""
     max_tokens: int | None = None
     """As requested (None: not given)."""
+    user: str | None = None
+    """The body's `user`: OpenAI's id of the caller's end user, for tracing abuse to one."""
+    placement: Placement | None = None
+    """Why this pool, and the latency it was predicted to give (None: not placed)."""
+
+
+@dataclass
+class Admission:
+    """What the ingress has learned of a request on its way in, filled as it goes: the log
+    line of a request refused before it runs says how far it got."""
+
+    call: Call
+    user: str | None = None
+    tier: str | None = None
+    placement: Placement | None = None
 
 
 class Telemetry:
@@ -113,9 +136,25 @@ class Telemetry:
         model = self._pool_models.get(record.pool, self._model_name)
         request_log.info(json.dumps(_log_fields(record, model)))
 
-    def count_decision(self, tier: str, reason: str, pool: str | None) -> None:
-        """Count one placement decision (policies/placement.py); a refusal has pool `none`."""
-        self._decisions.labels(tier, reason, pool or "none").inc()
+    def count_admitted(self, tier: str, placement: Placement) -> None:
+        """Count an admitted request by its placement's reason and pool."""
+        self._decisions.labels(tier, placement.reason, placement.pool or "none").inc()
+
+    @contextmanager
+    def refusals(self, admission: Admission) -> Iterator[None]:
+        """Whatever ApiError refuses the request inside the block is counted and logged
+        (`refuse`) on its way out."""
+        try:
+            yield
+        except ApiError as error:
+            self.refuse(admission, error)
+            raise
+
+    def refuse(self, admission: Admission, error: ApiError) -> None:
+        """Count a refused request as an admission decision by its reason (pool `none`, tier
+        `none` when refused before it had one) and write its log line."""
+        self._decisions.labels(admission.tier or "none", error.reason, "none").inc()
+        request_log.info(json.dumps(_refusal_fields(admission, error, time.monotonic())))
 
     def count_model_decision(self, tier: str, model: str, reason: str) -> None:
         """Count one model choice (policies/model_routing.py)."""
@@ -162,10 +201,40 @@ def _log_fields(record: RequestRecord, model: str) -> dict[str, object]:
     }
     if record.max_tokens is not None:
         fields["max_tokens"] = record.max_tokens
+    fields.update(_optional_fields(record.user, record.placement))
     if record.prompt_text is not None:
         fields["prompt"] = record.prompt_text
     if record.request_text is not None:
         fields["request_text"] = record.request_text
+    return fields
+
+
+def _refusal_fields(admission: Admission, error: ApiError, end_s: float) -> dict[str, object]:
+    fields: dict[str, object] = {
+        "request_id": admission.call.request_id,
+        "key": admission.call.caller.name,
+        "tier": admission.tier,
+        "pool": None,
+        "status": "refused",
+        "http_status": error.status,
+        "reason": error.reason,
+        "message": str(error),
+        "latency_ms": _ms(end_s - admission.call.start_s),
+    }
+    if error.retry_after_s is not None:
+        fields["retry_after_s"] = round(error.retry_after_s, 1)
+    fields.update(_optional_fields(admission.user, admission.placement))
+    return fields
+
+
+def _optional_fields(user: str | None, placement: Placement | None) -> dict[str, object]:
+    """The end user and, where placement ran, its reason and the predicted latency."""
+    fields: dict[str, object] = {} if user is None else {"user": user}
+    if placement is not None:
+        fields["placement"] = placement.reason
+    if placement is not None and placement.prediction is not None:
+        fields["predicted_ttft_ms"] = _ms(placement.prediction.ttft_s)
+        fields["predicted_tpot_ms"] = _ms(placement.prediction.tpot_s)
     return fields
 
 

@@ -2,20 +2,22 @@
 keys from inline / env / file, tiers per key (403), the Bearer scheme in any case, every
 route but /health behind a key, body size (413), prompts / n / stop bounds (400), a
 request larger than its key's bucket, tier deadlines (408 or an error event), the
-catch-all 500, and the per-request line in the ingress replica's log.
+catch-all 500, and the per-request line in the ingress replica's log, refusals' included
+(with their reason, and counted by it as admission decisions).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from fakes import FAIL_MARKER, FakeEngine
-from serve_harness import fake_config, request_log, serving, wait_for_metric
+from serve_harness import fake_config, metric, request_log, serving, wait_for_metric
 
 from deployments.config import ApiKeyConfig, GatewayConfig, RequestLimits
 from deployments.gateway import Gateway
@@ -160,10 +162,13 @@ def test_a_request_larger_than_its_keys_bucket_gets_a_clear_400(base_url: str) -
 
 
 def test_past_the_deadline_a_request_is_aborted_with_a_408(base_url: str) -> None:
-    body = _completion(max_tokens=2000)  # ten seconds of fake tokens, deadline 1 s
+    body = _completion(max_tokens=2000, user="u-9")  # ten seconds of fake tokens, deadline 1 s
     response = _post(base_url, body, key=ENV_KEY)
     error = _error(response, 408)
     assert error["code"] == "deadline_exceeded" and "1 s" in error["message"]
+    fields = request_log(response.headers["x-tierserve-request-id"])
+    assert (fields["status"], fields["tier"], fields["user"]) == ("timeout", "batch", "u-9")
+    assert fields["placement"] == "slo" and fields["predicted_ttft_ms"] >= 0
     wait_for_metric(
         base_url, "vllm:num_requests_running", 0, timeout_s=3, api_key=OPEN_KEY, pool="offline"
     )
@@ -195,16 +200,64 @@ def test_an_unexpected_fault_is_a_500_json_with_the_request_id(base_url: str) ->
 
 
 def test_each_request_writes_one_log_line_to_the_replica_log(base_url: str) -> None:
-    response = _post(base_url, _completion(prompt="secret words", max_tokens=3))
+    response = _post(base_url, _completion(prompt="secret words", max_tokens=3, user="u-42"))
     request_id = response.headers["x-tierserve-request-id"]
     fields = request_log(request_id)
     assert fields["request_id"] == f"cmpl-{request_id}"
     # standard runs on the cheapest pool predicted to meet its SLO
     assert fields["tier"] == "standard" and fields["pool"] == "offline"
-    assert fields["model"] == MODEL and fields["status"] == "ok"
+    assert fields["model"] == MODEL and fields["status"] == "ok" and fields["user"] == "u-42"
+    assert fields["placement"] == "slo" and fields["predicted_ttft_ms"] >= 0
     assert (fields["prompt_tokens"], fields["output_tokens"]) == (len("secret words"), 3)
     assert fields["ttft_ms"] > 0 and fields["latency_ms"] >= fields["ttft_ms"]
     assert "prompt" not in fields and "secret words" not in json.dumps(fields)
+
+
+def _refusal_log(response: httpx.Response, status: int) -> dict:
+    """The refused request's log line, checked to name its status and the refusal."""
+    fields = request_log(response.headers["x-tierserve-request-id"])
+    assert fields["status"] == "refused" and fields["http_status"] == status
+    assert fields["pool"] is None and fields["message"] == response.json()["error"]["message"]
+    return fields
+
+
+def _admissions(base_url: str) -> dict[tuple[str, str, str], float]:
+    """tierserve:admission_decisions_total by (tier, reason, pool)."""
+    text = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {OPEN_KEY}"}).text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("tierserve:admission_decisions_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            counts[labels["tier"], labels["reason"], labels["pool"]] = float(line.split()[-1])
+    return counts
+
+
+def test_a_rate_limited_request_is_logged_and_counted_by_reason_not_admitted(
+    base_url: str,
+) -> None:
+    # The small key may spend 100 tokens a minute: a second 62-token request waits.
+    responses, counted = [], {}
+    while not responses or responses[-1].status_code == 200:
+        assert len(responses) < 3, [r.status_code for r in responses]
+        before = _admissions(base_url)
+        responses.append(_post(base_url, _completion(max_tokens=60, user="u-7"), key=SMALL_KEY))
+        counted = {k: v - before.get(k, 0) for k, v in _admissions(base_url).items()}
+    assert _error(responses[-1], 429)["type"] == "rate_limit_exceeded"
+    assert {k: v for k, v in counted.items() if v} == {("standard", "rate_limited", "none"): 1}
+    fields = _refusal_log(responses[-1], 429)
+    assert (fields["reason"], fields["tier"]) == ("rate_limited", "standard")
+    assert fields["key"] == "small" and fields["user"] == "u-7" and fields["retry_after_s"] > 0
+    assert fields["placement"] == "slo" and fields["predicted_ttft_ms"] >= 0  # placement ran
+
+
+def test_refusals_before_placement_are_logged_with_their_reason(base_url: str) -> None:
+    too_large = _refusal_log(_post(base_url, _completion(prompt="x" * 5000)), 413)
+    assert (too_large["reason"], too_large["tier"]) == ("request_too_large", None)
+    over_limits = _refusal_log(_post(base_url, _completion(n=7, user="u-8")), 400)
+    assert (over_limits["reason"], over_limits["user"]) == ("invalid_request_error", "u-8")
+    assert "predicted_ttft_ms" not in over_limits
+    assert metric(base_url, "tierserve:admission_decisions_total", OPEN_KEY,
+                  tier="none", reason="request_too_large", pool="none") >= 1  # fmt: skip
 
 
 def test_a_key_file_is_read_at_start_not_per_request(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from deployments.streaming import ChoiceProgress
 from deployments.telemetry import RequestRecord, Telemetry
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
+from policies.placement import Placement
 from policies.tiers import Tier
 
 DASHBOARD_PATH = Path(__file__).resolve().parent.parent / "configs/grafana/tierserve-dashboard.json"
@@ -68,7 +69,7 @@ def exported() -> dict[str, set[str]]:
     asyncio.run(monitor.poll_once())
     telemetry = Telemetry("m", pools, monitor)
     telemetry.observe(_finished_request())
-    telemetry.count_decision("standard", "downgrade", "fast")
+    telemetry.count_admitted("standard", Placement("fast", "downgrade"))
     labels: dict[str, set[str]] = {}
     for family in telemetry.registry.collect():
         for sample in family.samples:

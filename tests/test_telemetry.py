@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 
+import pytest
 from fakes import FakeEngine, FakePoolHandle
 
-from deployments.config import PoolConfig
+from deployments.config import CallerPolicy, PoolConfig
+from deployments.errors import ApiError, payload_too_large, too_many_requests
 from deployments.pool_monitor import PoolMonitor
+from deployments.routes import Call
 from deployments.streaming import ChoiceProgress
-from deployments.telemetry import RequestRecord, Telemetry
+from deployments.telemetry import Admission, RequestRecord, Telemetry, request_log
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
+from policies.latency import Prediction
+from policies.placement import Placement
 from policies.tiers import Tier
 
 POOLS = {"fast": PoolConfig(name="fast", model_name="m")}
+TIER = Tier(name="standard", ttft_ms=2000, tpot_ms=60, priority=1, pool="fast")
+CALL = Call("r1", start_s=0.0, caller=CallerPolicy(name="k"))
 
 
 def _telemetry(engine: FakeEngine) -> Telemetry:
@@ -59,3 +68,58 @@ def test_queue_time_comes_from_the_first_output() -> None:
     labels = (("model_name", "m"), ("pool", "fast"), ("tier", "standard"))
     assert _samples(telemetry, "vllm:request_queue_time_seconds_count") == {labels: 1}
     assert _samples(telemetry, "vllm:request_queue_time_seconds_sum") == {labels: 0.3}
+
+
+def _log_lines(caplog: pytest.LogCaptureFixture) -> list[dict]:
+    return [json.loads(r.getMessage()) for r in caplog.records if r.name == request_log.name]
+
+
+def _refused(caplog: pytest.LogCaptureFixture, admission: Admission, error: ApiError) -> dict:
+    """The log line and admission count of `error` refusing `admission`."""
+    telemetry = _telemetry(FakeEngine(EngineConfig()))
+    level = caplog.at_level(logging.INFO, logger=request_log.name)
+    with level, pytest.raises(ApiError), telemetry.refusals(admission):
+        raise error
+    (line,) = _log_lines(caplog)
+    decisions = _samples(telemetry, "tierserve:admission_decisions_total")
+    tier = admission.tier or "none"
+    assert decisions == {(("pool", "none"), ("reason", error.reason), ("tier", tier)): 1}
+    return line
+
+
+def test_a_shed_request_is_logged_with_its_reason_and_prediction(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    placement = Placement(None, "shed_slo", Prediction(ttft_s=1.5, tpot_s=0.04, num_ahead=9), 2)
+    admission = Admission(CALL, user="end-user-7", tier="standard", placement=placement)
+    line = _refused(caplog, admission, too_many_requests("over capacity", 2, "shed_slo"))
+    assert line.pop("latency_ms") >= 0
+    assert line == {
+        "request_id": "r1", "key": "k", "tier": "standard", "pool": None, "status": "refused",
+        "http_status": 429, "reason": "shed_slo", "message": "over capacity",
+        "retry_after_s": 2, "user": "end-user-7",
+        "placement": "shed_slo", "predicted_ttft_ms": 1500.0, "predicted_tpot_ms": 40.0,
+    }  # fmt: skip
+
+
+def test_a_request_refused_before_it_has_a_tier_is_counted_under_tier_none(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    line = _refused(caplog, Admission(CALL), payload_too_large(4096))
+    assert (line["http_status"], line["reason"], line["tier"]) == (413, "request_too_large", None)
+    assert "user" not in line and "predicted_ttft_ms" not in line
+
+
+def test_an_admitted_request_logs_its_user_and_prediction(caplog: pytest.LogCaptureFixture) -> None:
+    telemetry = _telemetry(FakeEngine(EngineConfig()))
+    placement = Placement("fast", "slo", Prediction(ttft_s=0.2, tpot_s=0.02, num_ahead=0))
+    telemetry.count_admitted("standard", placement)
+    record = RequestRecord(
+        "r", "k", TIER, "fast", "ok", [], end_s=1.0, user="u", placement=placement
+    )
+    with caplog.at_level(logging.INFO, logger=request_log.name):
+        telemetry.observe(record)
+    (line,) = _log_lines(caplog)
+    assert (line["user"], line["placement"], line["predicted_ttft_ms"]) == ("u", "slo", 200.0)
+    decisions = _samples(telemetry, "tierserve:admission_decisions_total")
+    assert decisions == {(("pool", "fast"), ("reason", "slo"), ("tier", "standard")): 1}
