@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from deployments import schemas as s
 from deployments.errors import bad_request
 from deployments.logprobs import chat_logprobs, completion_logprobs
+from deployments.request_fields import FieldRefused, served_fields
 from deployments.streaming import ChoiceProgress, usage
 from engine.model.chat import chat_prompt_ids
 from engine.outputs import RequestOutput, TokenLogprob
@@ -24,9 +25,13 @@ from engine.sampling_params import SamplingParams
 
 
 def parse_body(schema: type[s.SamplingFields], body: Any) -> s.SamplingFields:
-    """Validate a JSON body, turning pydantic's report into one OpenAI-style 400."""
+    """Validate a JSON body: a field the endpoint does not honour is refused (its table in
+    deployments/request_fields.py says why), then the schema checks the rest; either way
+    the refusal is one OpenAI-style 400 naming the field."""
     try:
-        return schema.model_validate(body)
+        return schema.model_validate(served_fields(schema.field_rules, body))
+    except FieldRefused as refusal:
+        raise bad_request(str(refusal), refusal.param) from None
     except ValidationError as error:
         first = error.errors()[0]
         param = ".".join(str(part) for part in first["loc"]) or None
@@ -43,14 +48,33 @@ def sampling_params(body: s.SamplingFields, max_tokens: int) -> SamplingParams:
             top_k=max(body.top_k, 0),  # -1 is the other common spelling of "off"
             min_tokens=body.min_tokens,
             repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            logit_bias=tuple((int(t), bias) for t, bias in (body.logit_bias or {}).items()),
+            min_p=body.min_p,
             seed=body.seed,
             stop=tuple(body.stop),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
             ignore_eos=body.ignore_eos,
             logprobs=body.num_logprobs,
             prompt_logprobs=body.num_logprobs if body.echoed_prompts else None,
         )
     except ValueError as error:
         raise bad_request(str(error)) from None
+
+
+def _check_sampling_token_ids(body: s.SamplingFields, vocab_size: int) -> None:
+    """`logit_bias` keys and `stop_token_ids` must name tokens of the vocabulary."""
+    named = {
+        "logit_bias": [int(token_id) for token_id in body.logit_bias or {}],
+        "stop_token_ids": body.stop_token_ids or [],
+    }
+    for param, token_ids in named.items():
+        if any(token_id >= vocab_size for token_id in token_ids):
+            message = f"{param}: token ids must be below the vocabulary size {vocab_size}"
+            raise bad_request(message, param)
 
 
 class Echo(NamedTuple):
@@ -77,10 +101,18 @@ class Endpoint(ABC):
     echo: tuple[Echo, ...] = ()
     """The prompts to repeat before their completions, by prompt index (none: no echo)."""
 
+    @classmethod
+    def prompt_ids(cls, body: Any, tokenizer: Any) -> list[list[int]]:
+        """Token ids of each prompt in the body (before `n` copies are made); first, the
+        token ids the body's sampling fields name are checked against the vocabulary, which
+        only the tokenizer knows (a 400 naming the field)."""
+        _check_sampling_token_ids(body, len(tokenizer))
+        return cls._prompts(body, tokenizer)
+
     @staticmethod
     @abstractmethod
-    def prompt_ids(body: Any, tokenizer: Any) -> list[list[int]]:
-        """Token ids of each prompt in the body (before `n` copies are made)."""
+    def _prompts(body: Any, tokenizer: Any) -> list[list[int]]:
+        """Token ids of each prompt in the body."""
 
     def opening(self, num_choices: int) -> list[BaseModel]:
         """Chunks sent before any token."""
@@ -106,7 +138,7 @@ class ChatEndpoint(Endpoint):
     schema = s.ChatCompletionRequest
 
     @staticmethod
-    def prompt_ids(body: s.ChatCompletionRequest, tokenizer: Any) -> list[list[int]]:
+    def _prompts(body: s.ChatCompletionRequest, tokenizer: Any) -> list[list[int]]:
         """The conversation through the model's chat template; a template that refuses
         the conversation (its `raise_exception`) is the client's 400."""
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
@@ -177,7 +209,7 @@ class CompletionEndpoint(Endpoint):
     schema = s.CompletionRequest
 
     @staticmethod
-    def prompt_ids(body: s.CompletionRequest, tokenizer: Any) -> list[list[int]]:
+    def _prompts(body: s.CompletionRequest, tokenizer: Any) -> list[list[int]]:
         """Each text prompt tokenized as is (no template); token-id prompts as sent, if
         every id is in the tokenizer's vocabulary."""
         prompts = []

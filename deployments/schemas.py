@@ -1,23 +1,35 @@
 """OpenAI-compatible request and response bodies (chat and text completions).
 
-Requests accept, beside OpenAI's fields, the sampling extras that vLLM
-clients and benchmark tools send (`top_k`, `min_tokens`, `ignore_eos`,
-`repetition_penalty`) and tierserve's `tier`. Unknown fields are ignored, as
-OpenAI-compatible servers do, so newer clients keep working.
+Requests carry, beside OpenAI's fields, the sampling extras that vLLM
+clients and benchmark tools send (`top_k`, `min_p`, `min_tokens`,
+`ignore_eos`, `repetition_penalty`, `stop_token_ids`,
+`include_stop_str_in_output`, `skip_special_tokens`) and tierserve's `tier`.
+The schemas hold the fields tierserve honours and nothing else (extra fields
+are forbidden): deployments/request_fields.py classifies every field a client
+may send and refuses, before these models see the body, whatever is not
+honoured.
 
-Known fields are strict: numbers must be JSON numbers (not strings or
-booleans), finite and in range, so nothing the sampler cannot use gets past
-the ingress, and every refusal names its field. The bounds that are config
-(how many prompts, stop strings) are checked by deployments/limits.py.
+Fields are strict: numbers must be JSON numbers (not strings or booleans),
+finite and in range, so nothing the sampler cannot use gets past the
+ingress, and every refusal names its field. The bounds that are config (how
+many prompts, stop strings) are checked by deployments/limits.py; token ids
+against the vocabulary by the endpoint that tokenizes (deployments/openai_api.py).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from engine.sampling_params import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
+from deployments.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldRules
+from engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_PENALTY,
+    MAX_TOP_LOGPROBS,
+    SEED_MAX,
+    SEED_MIN,
+)
 
 
 def _as_list(value: Any) -> Any:
@@ -47,14 +59,21 @@ def _is_int(value: Any) -> bool:
 
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
+Penalty = Annotated[Finite, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 TokenIds = list[Annotated[int, Field(ge=0)]]
 StrList = Annotated[list[str], BeforeValidator(_as_list)]
+LogitBias = dict[
+    Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+    Annotated[Finite, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)],
+]
+"""OpenAI's shape: a token id (as a JSON object key, a string of digits) to a bias."""
 
 
 class _Request(BaseModel):
-    """Base of request bodies: strict types, unknown fields ignored."""
+    """Base of request bodies: strict types; a field the schema lacks is an error (the
+    request_fields tables refuse it first, with a message saying why)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Request):
@@ -65,6 +84,9 @@ class StreamOptions(_Request):
 
 class SamplingFields(_Request):
     """Fields shared by chat and text completion requests."""
+
+    field_rules: ClassVar[FieldRules]
+    """Every field a body of this endpoint may carry, classified (request_fields)."""
 
     model: str
     n: int = Field(default=1, ge=1)
@@ -77,12 +99,22 @@ class SamplingFields(_Request):
     """0 or -1 turn top-k off."""
     min_tokens: int = Field(default=0, ge=0)
     repetition_penalty: Finite = Field(default=1.0, gt=0)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: LogitBias | None = None
+    """Token ids are checked against the vocabulary where the prompt is tokenized."""
+    min_p: Finite = Field(default=0.0, ge=0, le=1)
     ignore_eos: bool = False
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: StrList = Field(default_factory=list)
     """Stop strings; one string or null are accepted, as OpenAI does."""
+    stop_token_ids: TokenIds | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     tier: str | None = None
     """tierserve's SLA tier; the `X-SLA-Tier` header wins over it."""
+    user: str | None = None
+    """OpenAI's id of the caller's end user: written to the request log."""
     max_tokens: int | None = Field(default=None, ge=1)
     """None means the rest of the context, as vLLM does."""
 
@@ -135,6 +167,7 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`."""
 
+    field_rules = CHAT_FIELDS
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     """OpenAI's newer name for max_tokens; wins when both are given."""
@@ -167,6 +200,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     """`POST /v1/completions`: one prompt, or a list of them."""
 
+    field_rules = COMPLETION_FIELDS
     prompt: Annotated[list[str] | list[TokenIds], BeforeValidator(_as_prompts)] = Field(
         min_length=1
     )

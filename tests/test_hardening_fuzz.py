@@ -26,6 +26,9 @@ FIELDS = [
     "model", "prompt", "messages", "n", "stream", "stream_options", "temperature", "top_p",
     "top_k", "min_tokens", "repetition_penalty", "seed", "stop", "max_tokens",
     "max_completion_tokens", "tier", "ignore_eos", "logprobs", "unknown_field",
+    "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "stop_token_ids",
+    "include_stop_str_in_output", "skip_special_tokens", "user", "best_of", "echo",
+    "response_format", "tools", "tool_choice", "parallel_tool_calls", "service_tier",
 ]  # fmt: skip
 
 
@@ -180,3 +183,17 @@ def test_still_serving_after_the_fuzz(base_url: str) -> None:
     response = httpx.post(f"{base_url}/v1/chat/completions", json=body, headers=headers)
     assert response.status_code == 200
     assert response.json()["choices"][0]["message"]["content"] == "abc"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("tools", [{"type": "function", "function": {"name": "f"}}]), ("unknown_field", 1)],
+)
+def test_a_field_not_honoured_is_a_400_naming_it_over_http(
+    base_url: str, field: str, value: Any
+) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: value}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, headers=headers)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == field

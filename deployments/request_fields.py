@@ -1,0 +1,212 @@
+"""Every request field, classified once: honoured, inert, or refused with a 400 naming it.
+
+A client that sends a field expects it to mean something. OpenAI itself
+refuses arguments it does not recognise; an OpenAI-compatible server that
+silently drops one (`response_format`, `tools`, `logit_bias`) answers a
+question that was not asked. So each field of OpenAI's chat and text
+completion requests, and each extra that vLLM clients send, is in one of
+these tables:
+
+- `Honoured`: a field of the body schema (deployments/schemas.py), served.
+- `Inert`: accepted and dropped, because honouring it is trivially true
+  (`parallel_tool_calls`: without tools no call is made, in parallel or not).
+- `Refused`: a 400 naming the field, unless its value asks for nothing
+  tierserve does not already do (null, an empty list, the default), in which
+  case it is dropped.
+
+A field in no table is refused as OpenAI refuses it ("Unrecognized request
+argument supplied"). The tables reach into messages and stream options, so
+nothing nested is ignored either. tests/test_request_fields.py reads the
+installed `openai` package's request types and fails on any field missing
+here: a newer release cannot add one that is silently ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+
+@dataclass(frozen=True)
+class Honoured:
+    """Served as asked; `parts` classifies the fields of the object the value is (or of
+    each object in the list it is): a message, the stream options."""
+
+    parts: Mapping[str, Rule] | None = None
+
+
+@dataclass(frozen=True)
+class Inert:
+    """Accepted whatever its value and dropped: honouring it is trivially true."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Not served: any value but the `allowed` ones (which ask for nothing) is a 400."""
+
+    why: str
+    """Completes the 400's message: what is not served, and what to send instead."""
+    allowed: tuple[Any, ...] = (None,)
+    same_as: str | None = None
+    """A field whose value (default 1) this one may also equal: `best_of` equal to `n`
+    asks for nothing more than `n` does."""
+
+    def allows(self, value: Any, body: Mapping[str, Any]) -> bool:
+        """Whether `value` asks for nothing tierserve does not already do."""
+        if self.same_as is not None and _same(value, body.get(self.same_as) or 1):
+            return True
+        return any(_same(value, allowed) for allowed in self.allowed)
+
+
+Rule: TypeAlias = Honoured | Inert | Refused
+FieldRules: TypeAlias = Mapping[str, Rule]
+
+
+class FieldRefused(ValueError):
+    """A field the request may not carry (or may not carry with this value)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def served_fields(rules: FieldRules, body: Mapping[str, Any], path: str = "") -> dict[str, Any]:
+    """The body without its inert fields and harmless refused ones, every field checked
+    against `rules`; FieldRefused names the first that asks for what is not served. Values
+    of the wrong type are left to the schema to refuse."""
+    served: dict[str, Any] = {}
+    for name, value in body.items():
+        param = f"{path}{name}"
+        rule = rules.get(name)
+        if rule is None:
+            raise FieldRefused(f"Unrecognized request argument supplied: {param}", param)
+        if isinstance(rule, Refused) and not rule.allows(value, body):
+            raise FieldRefused(f"{param}: {rule.why}", param)
+        if isinstance(rule, Honoured):
+            served[name] = _served_parts(rule.parts, value, param)
+    return served
+
+
+def _served_parts(parts: FieldRules | None, value: Any, param: str) -> Any:
+    """The value with the objects it holds checked against `parts` (none: as it is)."""
+    if parts is None:
+        return value
+    if isinstance(value, Mapping):
+        return served_fields(parts, value, f"{param}.")
+    if isinstance(value, list):
+        return [_served_parts(parts, item, f"{param}.{i}") for i, item in enumerate(value)]
+    return value
+
+
+def _same(value: Any, allowed: Any) -> bool:
+    """Equal and of the same JSON type: `0` is not `false`, `1.0` is not `1`."""
+    return type(value) is type(allowed) and value == allowed
+
+
+_NOT_RENDERED = "is not rendered by the chat template: the model would never see it."
+_NO_TOOLS = "tool calling is not served yet; send no tools."
+_NO_GRAMMAR = "constrained decoding is not served yet; send no grammar."
+
+MESSAGE_FIELDS: FieldRules = {
+    "role": Honoured(),
+    "content": Honoured(),
+    "name": Refused(f"a participant name {_NOT_RENDERED}"),
+    "tool_calls": Refused(f"an assistant's tool calls {_NOT_RENDERED}", (None, [])),
+    "tool_call_id": Refused(f"a tool result's call id {_NOT_RENDERED}"),
+    "function_call": Refused(f"an assistant's function call {_NOT_RENDERED}"),
+    "refusal": Refused(f"an assistant's refusal {_NOT_RENDERED}"),
+    "audio": Refused(f"an assistant's audio {_NOT_RENDERED}"),
+}
+"""The fields of one chat message (every role's)."""
+
+STREAM_OPTIONS_FIELDS: FieldRules = {
+    "include_usage": Honoured(),
+    "include_obfuscation": Refused("streams are not obfuscated; send false.", (None, False)),
+}
+
+_SHARED_FIELDS: FieldRules = {
+    **dict.fromkeys(
+        (
+            "model",
+            "n",
+            "stream",
+            "temperature",
+            "top_p",
+            "seed",
+            "stop",
+            "max_tokens",
+            "logprobs",
+            "presence_penalty",
+            "frequency_penalty",
+            "logit_bias",
+            "tier",
+            "user",  # written to the request log (deployments/telemetry.py)
+            # vLLM's sampling extras
+            "top_k",
+            "min_p",
+            "min_tokens",
+            "repetition_penalty",
+            "ignore_eos",
+            "stop_token_ids",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+        ),
+        Honoured(),
+    ),
+    "stream_options": Honoured(STREAM_OPTIONS_FIELDS),
+    **dict.fromkeys(
+        ("guided_json", "guided_regex", "guided_choice", "guided_grammar"), Refused(_NO_GRAMMAR)
+    ),
+    "prompt_logprobs": Refused(
+        "prompt log-probabilities come with echo and logprobs on /v1/completions."
+    ),
+    "priority": Refused("the SLA tier (`tier`, X-SLA-Tier) sets priority.", (None, 0)),
+}
+
+CHAT_FIELDS: FieldRules = {
+    **_SHARED_FIELDS,
+    "messages": Honoured(MESSAGE_FIELDS),
+    "max_completion_tokens": Honoured(),
+    "top_logprobs": Honoured(),
+    "response_format": Refused(
+        'structured outputs are not served yet; only {"type": "text"}.', (None, {"type": "text"})
+    ),
+    "tools": Refused(_NO_TOOLS, (None, [])),
+    "tool_choice": Refused(_NO_TOOLS, (None, "none")),
+    "functions": Refused(_NO_TOOLS, (None, [])),
+    "function_call": Refused(_NO_TOOLS, (None, "none")),
+    "parallel_tool_calls": Inert("without tools no call is made, in parallel or not"),
+    "audio": Refused("audio output is not served; the models here write text."),
+    "modalities": Refused('only text is served; send ["text"].', (None, ["text"])),
+    "prediction": Refused("predicted outputs are not served."),
+    "web_search_options": Refused("web search is not served."),
+    "moderation": Refused("moderation is not served."),
+    "reasoning_effort": Refused("the models here do not reason first.", (None, "none")),
+    "verbosity": Refused("verbosity cannot be set for the models here."),
+    "store": Refused("completions are not stored.", (None, False)),
+    "metadata": Refused("metadata is kept only with stored completions, and none are stored."),
+    "service_tier": Refused(
+        "the SLA tier is set by `tier` or the X-SLA-Tier header.", (None, "auto", "default")
+    ),
+    "safety_identifier": Refused("no abuse detection runs on it; `user` is logged."),
+    "prompt_cache_key": Refused("the prefix cache matches prompts by content, not by key."),
+    "prompt_cache_options": Refused("the prefix cache has no breakpoints or lifetimes to set."),
+    "prompt_cache_retention": Refused(
+        "cached prefixes are kept in memory only.", (None, "in_memory")
+    ),
+    "echo": Refused("echo is served on /v1/completions only.", (None, False)),
+}
+"""`POST /v1/chat/completions`."""
+
+COMPLETION_FIELDS: FieldRules = {
+    **_SHARED_FIELDS,
+    "prompt": Honoured(),
+    "echo": Honoured(),
+    "best_of": Refused("every sampled sequence is returned: best_of must equal n.", same_as="n"),
+    "suffix": Refused("insertion (text after the completion) is not served.", (None, "")),
+    "top_logprobs": Refused("completions take the number of alternatives in `logprobs`."),
+}
+"""`POST /v1/completions`."""
