@@ -110,9 +110,22 @@ _NOT_RENDERED = "is not rendered by the chat template: the model would never see
 _NO_TOOLS = "tool calling is not served yet; send no tools."
 _NO_GRAMMAR = "constrained decoding is not served yet; send no grammar."
 
+_TEXT_ONLY = "the models here read text only."
+
+CONTENT_PART_FIELDS: FieldRules = {
+    "type": Honoured(),
+    "text": Honoured(),
+    "image_url": Refused(_TEXT_ONLY),
+    "input_audio": Refused(_TEXT_ONLY),
+    "file": Refused(_TEXT_ONLY),
+    "refusal": Refused(f"an assistant's refusal {_NOT_RENDERED}"),
+    "prompt_cache_breakpoint": Refused("the prefix cache matches prompts by content alone."),
+}
+"""The fields of one part of a message's content."""
+
 MESSAGE_FIELDS: FieldRules = {
     "role": Honoured(),
-    "content": Honoured(),
+    "content": Honoured(CONTENT_PART_FIELDS),
     "name": Refused(f"a participant name {_NOT_RENDERED}"),
     "tool_calls": Refused(f"an assistant's tool calls {_NOT_RENDERED}", (None, [])),
     "tool_call_id": Refused(f"a tool result's call id {_NOT_RENDERED}"),

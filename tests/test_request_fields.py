@@ -14,12 +14,18 @@ from typing import Any
 
 import pytest
 from openai.types import completion_create_params as completion_params
-from openai.types.chat import ChatCompletionMessageParam, ChatCompletionStreamOptionsParam
+from openai.types.chat import (
+    ChatCompletionContentPartParam,
+    ChatCompletionContentPartRefusalParam,
+    ChatCompletionMessageParam,
+    ChatCompletionStreamOptionsParam,
+)
 from openai.types.chat import completion_create_params as chat_params
 
 from deployments.errors import ApiError
 from deployments.openai_api import ChatEndpoint, CompletionEndpoint, parse_body, sampling_params
 from deployments.request_fields import (
+    CONTENT_PART_FIELDS,
     MESSAGE_FIELDS,
     STREAM_OPTIONS_FIELDS,
     FieldRules,
@@ -73,6 +79,11 @@ REFUSING_VALUES: dict[str, Any] = {
     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
     "tool_call_id": "c1",
     "refusal": "I cannot.",
+    # content part fields
+    "image_url": {"url": "https://example.com/cat.png"},
+    "input_audio": {"data": "UklGRg==", "format": "wav"},
+    "file": {"file_id": "file-1"},
+    "prompt_cache_breakpoint": {"type": "ephemeral"},
     # stream options
     "include_obfuscation": True,
 }
@@ -86,11 +97,10 @@ def openai_fields(module: ModuleType) -> set[str]:
     return set(base) | set(module.CompletionCreateParamsStreaming.__annotations__)
 
 
-def openai_message_fields() -> set[str]:
-    """The fields of every message role's type in the installed openai package."""
-    return {
-        key for kind in typing.get_args(ChatCompletionMessageParam) for key in kind.__annotations__
-    }
+def openai_keys(*union: Any) -> set[str]:
+    """The fields of every TypedDict in the given openai types (unions are opened)."""
+    kinds = [kind for member in union for kind in typing.get_args(member) or (member,)]
+    return {key for kind in kinds for key in kind.__annotations__}
 
 
 def refused(rules: FieldRules) -> list[str]:
@@ -124,9 +134,11 @@ def test_every_openai_request_field_is_classified(endpoint: str):
     assert not unclassified, f"classify in deployments/request_fields.py: {sorted(unclassified)}"
 
 
-def test_every_openai_message_and_stream_option_field_is_classified():
-    assert openai_message_fields() <= set(MESSAGE_FIELDS)
-    assert set(ChatCompletionStreamOptionsParam.__annotations__) <= set(STREAM_OPTIONS_FIELDS)
+def test_every_openai_message_content_and_stream_option_field_is_classified():
+    assert openai_keys(ChatCompletionMessageParam) <= set(MESSAGE_FIELDS)
+    content = openai_keys(ChatCompletionContentPartParam, ChatCompletionContentPartRefusalParam)
+    assert content <= set(CONTENT_PART_FIELDS)
+    assert openai_keys(ChatCompletionStreamOptionsParam) <= set(STREAM_OPTIONS_FIELDS)
 
 
 @pytest.mark.parametrize("endpoint", list(ENDPOINTS))
@@ -175,6 +187,13 @@ def test_each_refused_message_field_is_a_400_naming_it(name: str):
         refusal(CHAT, with_message_field(name, REFUSING_VALUES[name])), f"messages.0.{name}"
     )
     assert parse_body(CHAT, with_message_field(name, None)).messages[0].text == "hi"
+
+
+@pytest.mark.parametrize("name", refused(CONTENT_PART_FIELDS))
+def test_each_refused_content_part_field_is_a_400_naming_it(name: str):
+    part = {"type": "text", "text": "hi", name: REFUSING_VALUES[name]}
+    body = {**CHAT_BODY, "messages": [{"role": "user", "content": [part]}]}
+    assert_names(refusal(CHAT, body), f"messages.0.content.0.{name}")
 
 
 def test_refused_stream_option_is_a_400_naming_it():
