@@ -12,7 +12,11 @@ each engine (engine/step_cost.py). Work spreads evenly over replicas.
     slot wait   = the sequences ahead take the slots in order, each for its
                   remaining tokens at TPOT; the wait ends when the next one frees
     prefill     = steps to compute the prompts ahead and this one, each a step with
-                  the decodes riding along and a chunk of the budget for prefill
+                  the decodes riding along and a chunk of the budget for prefill;
+                  with a target, the first step holds the less urgent decodes out
+                  (the engine runs no work without a target while a more urgent
+                  request with one waits), so a full batch of batch work costs an
+                  interactive request's first token nothing but its preemption
     TTFT        = slot wait + prefill
     TPOT        = one decode step at the batch the request will run in; with a
                   target, less urgent sequences join only up to it
@@ -94,14 +98,15 @@ def predict(
     """TTFT and TPOT of a new request of `priority` with a `num_prompt_tokens` prompt, which
     the engine is to keep within `tpot_target_s` per token (None: no target)."""
     ahead = [s for s in pool.in_flight if s.priority <= priority]
-    batch = _batch(pool, len(pool.in_flight) + 1)
+    batch = first_batch = _batch(pool, len(pool.in_flight) + 1)
     tpot_s = pool.cost.step_s(batch, batch)
     if tpot_target_s is not None:  # less urgent work rides along only up to the target
-        urgent_batch = _batch(pool, len(ahead) + 1)
-        tpot_s = max(pool.cost.step_s(urgent_batch, urgent_batch), min(tpot_s, tpot_target_s))
+        first_batch = _batch(pool, len(ahead) + 1)
+        tpot_s = max(pool.cost.step_s(first_batch, first_batch), min(tpot_s, tpot_target_s))
     wait_s = _slot_wait_s(pool, ahead, tpot_s)
     prefill_tokens = num_prompt_tokens + sum(s.num_prompt_tokens for s in ahead if not s.prefilled)
-    prefill_s = _prefill_s(pool, math.ceil(prefill_tokens / max(1, pool.num_replicas)), batch)
+    tokens_per_replica = math.ceil(prefill_tokens / max(1, pool.num_replicas))
+    prefill_s = _prefill_s(pool, tokens_per_replica, first_batch, batch)
     return Prediction(ttft_s=wait_s + prefill_s, tpot_s=tpot_s, num_ahead=len(ahead))
 
 
@@ -134,14 +139,20 @@ def _slot_wait_s(pool: PoolState, ahead: Sequence[InFlight], tpot_s: float) -> f
     return finish_s[0]
 
 
-def _prefill_s(pool: PoolState, num_tokens: int, batch: int) -> float:
-    """Steps to compute `num_tokens` prompt tokens beside `batch - 1` decodes, on one replica."""
+def _prefill_s(pool: PoolState, num_tokens: int, first_batch: int, batch: int) -> float:
+    """Steps to compute `num_tokens` prompt tokens on one replica: the first step beside
+    `first_batch - 1` decodes, the later ones beside `batch - 1`."""
+    first_chunk = min(num_tokens, max(1, pool.max_num_batched_tokens - (first_batch - 1)))
+    first_s = pool.cost.step_s(first_batch, first_batch - 1 + first_chunk)
+    rest = num_tokens - first_chunk
+    if rest <= 0:
+        return first_s
     num_decodes = batch - 1
     chunk = max(1, pool.max_num_batched_tokens - num_decodes)
-    num_steps = max(1, math.ceil(num_tokens / chunk))
-    last_chunk = num_tokens - (num_steps - 1) * chunk
+    num_steps = math.ceil(rest / chunk)
+    last_chunk = rest - (num_steps - 1) * chunk
     full = pool.cost.step_s(batch, num_decodes + chunk)
-    return (num_steps - 1) * full + pool.cost.step_s(batch, num_decodes + last_chunk)
+    return first_s + (num_steps - 1) * full + pool.cost.step_s(batch, num_decodes + last_chunk)
 
 
 def _mean_remaining(sequences: Sequence[InFlight]) -> float:

@@ -7,11 +7,12 @@ its own (latency-tuned) pool while that meets them. When none is, the tier's
 
 - `protect` (interactive): run wherever the first token is predicted in time,
   even if the pool is busy with other tiers' work (the engine schedules the
-  request ahead of them and keeps its time per token); refuse only when this
-  tier's own demand is more than the deployment can serve in time. A pool
-  whose steps are too slow for the tier's TPOT even when idle is no place
-  for it; when no pool is fast enough (the hardware is below the SLO), only
-  its own pool and the fastest are. A prompt too long for the TTFT even
+  request ahead of them, preempting, and keeps its time per token); refuse
+  only when this tier's own demand is more than the deployment can serve in
+  time. Another pool takes the tier only at a time per token (less urgent
+  work held back to the target) within the TPOT or no worse than its own
+  pool would give it: where the hardware is below the SLO, a slower pool is
+  no refuge, an equally slow one is. A prompt too long for the TTFT even
   on an idle pool is in time if it waits no longer than it computes: at most
   twice its idle TTFT.
 - `downgrade` (standard): run on the overflow pool without the SLO, and say so.
@@ -112,12 +113,12 @@ def _protect(
     jitter: float,
 ) -> Placement:
     """First token in time wherever possible; else refused, with the soonest pool's drain."""
-    tpot_limit_ms = max(tier.tpot_ms, min(_idle_tpot_ms(pools[n]) for n in predictions))
+    tpot_limit_ms = max(tier.tpot_ms, _home_tpot_s(tier, predictions) * 1000)
     in_time = [
         n
         for n, p in open_pools.items()
         if p.ttft_s * 1000 <= _ttft_limit_ms(tier, shape, pools[n])
-        and (n == tier.pool or _idle_tpot_ms(pools[n]) <= tpot_limit_ms)
+        and (n == tier.pool or p.tpot_s * 1000 <= tpot_limit_ms)
     ]
     if in_time:
         best = min(in_time, key=lambda n: (n != tier.pool, predictions[n].ttft_s))
@@ -169,9 +170,11 @@ def _ttft_limit_ms(tier: Tier, shape: RequestShape, pool: PoolState) -> float:
     return max(tier.ttft_ms, 2 * idle.ttft_s * 1000)
 
 
-def _idle_tpot_ms(pool: PoolState) -> float:
-    """A pool's time per token with one sequence: the best it can do for anyone."""
-    return pool.cost.step_s(1, 1) * 1000
+def _home_tpot_s(tier: Tier, predictions: Mapping[str, Prediction]) -> float:
+    """The time per token the tier's own pool would give the request (the best candidate's
+    when its own pool cannot take it at all): what overflow must not make worse."""
+    home = predictions.get(tier.pool)
+    return home.tpot_s if home is not None else min(p.tpot_s for p in predictions.values())
 
 
 def _meets(tier: Tier, prediction: Prediction) -> bool:
