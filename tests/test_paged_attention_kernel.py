@@ -151,3 +151,27 @@ def test_a_query_is_bit_for_bit_the_same_alone_or_in_a_chunk(dtype, head_dim, bl
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     expected = _reference(q, k_cache, v_cache, table, visible, block)
     torch.testing.assert_close(together.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_is_bit_for_bit_the_same_in_chunks_of_any_size(dtype):
+    """The model's shape (three query heads a KV head, head dim 64): a verification step's
+    1 + k queries, or a prefill chunk, put a query's rows at other places in the kernel's
+    four-row groups than a decode does; its attention may not change by a bit."""
+    gen = torch.Generator().manual_seed(7)
+    block, head_dim, cached, span = 16, 64, 20, 12
+    k_cache = torch.randn(4 * block, KV_HEADS, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(4 * block, KV_HEADS, head_dim, generator=gen).to(dtype)
+    q = torch.randn(span, HEADS, head_dim, generator=gen).to(dtype)
+    tables = torch.tensor([[2, 0, 3, 1]])
+    visible = torch.arange(cached + 1, cached + span + 1)
+
+    def attend(first: int, size: int) -> torch.Tensor:
+        rows = slice(first, first + size)
+        seq = torch.zeros(size, dtype=torch.long)
+        return kernels.paged_attention(q[rows], k_cache, v_cache, tables, seq, visible[rows], block)
+
+    alone = torch.cat([attend(i, 1) for i in range(span)])
+    for size in range(2, 10):
+        for first in range(span - size + 1):
+            assert torch.equal(attend(first, size), alone[first : first + size]), (first, size)

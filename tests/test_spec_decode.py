@@ -2,7 +2,8 @@
 lookahead rollback, the draft length and the n-gram proposer.
 
 The engine tests run fp32 engines on the default model with a KV pool small
-enough to force preemption; each configuration is loaded once per module.
+enough to force preemption; each configuration is loaded once per module. Greedy
+parity runs in bf16 too: every dtype a pool may serve must keep the output exact.
 """
 
 from __future__ import annotations
@@ -60,14 +61,16 @@ GROUNDED_TEXT = (
 
 
 @pytest.fixture(scope="module")
-def engine_for() -> Callable[[SpecDecodeConfig | None], LLMEngine]:
-    """`engine_for(spec)`: an idle fp32 engine with that speculation config, built once."""
-    engines: dict[SpecDecodeConfig | None, LLMEngine] = {}
+def engine_for() -> Callable[..., LLMEngine]:
+    """`engine_for(spec, dtype="float32")`: an idle engine with that speculation config,
+    built once."""
+    engines: dict[tuple[SpecDecodeConfig | None, str], LLMEngine] = {}
 
-    def get(spec: SpecDecodeConfig | None) -> LLMEngine:
-        if spec not in engines:
-            engines[spec] = LLMEngine(EngineConfig(**BASE_CONFIG, spec_decode=spec))
-        engine = engines[spec]
+    def get(spec: SpecDecodeConfig | None, dtype: str = "float32") -> LLMEngine:
+        if (spec, dtype) not in engines:
+            config = EngineConfig(**{**BASE_CONFIG, "dtype": dtype}, spec_decode=spec)
+            engines[spec, dtype] = LLMEngine(config)
+        engine = engines[spec, dtype]
         for request_id in list(engine.requests):  # left behind by a failed test
             engine.abort_request(request_id)
         return engine
@@ -77,13 +80,14 @@ def engine_for() -> Callable[[SpecDecodeConfig | None], LLMEngine]:
 
 @pytest.fixture(scope="module")
 def plain_run(engine_for) -> Callable[..., object]:
-    """`plain_run(fn, *args)`: `fn(engine without speculation, *args)`, computed once."""
+    """`plain_run(fn, *args, dtype="float32")`: `fn(engine without speculation, *args)`,
+    computed once."""
     results: dict[tuple, object] = {}
 
-    def get(fn, *args):
-        key = (fn.__name__, *args)
+    def get(fn, *args, dtype: str = "float32"):
+        key = (fn.__name__, dtype, *args)
         if key not in results:
-            results[key] = fn(engine_for(None), *args)
+            results[key] = fn(engine_for(None, dtype), *args)
         return results[key]
 
     return get
@@ -177,11 +181,14 @@ def stats_delta(before: EngineStats, after: EngineStats) -> dict[str, int]:
 # ---- greedy parity -----------------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("spec", [NGRAM, WEAK_DRAFT], ids=["ngram", "draft4layers"])
-def test_greedy_parity_mixed_batch_with_preemption(engine_for, plain_run, spec, monkeypatch):
-    expected = plain_run(run_mixed_batch)
+def test_greedy_parity_mixed_batch_with_preemption(
+    engine_for, plain_run, spec, dtype, monkeypatch
+):
+    expected = plain_run(run_mixed_batch, dtype=dtype)
 
-    engine = engine_for(spec)
+    engine = engine_for(spec, dtype)
     # Drafts priced free, so even the weak draft keeps proposing full-length drafts
     # and both acceptances and rejections land inside the preempted, mixed batch.
     monkeypatch.setattr(engine.speculator, "token_cost", lambda decoding: 0.0)

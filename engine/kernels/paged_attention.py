@@ -18,10 +18,14 @@ import torch
 from engine.kernels import native
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
-COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", native.OPENMP)
+COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-ffp-contract=off", native.OPENMP)
 """No -ffast-math: it would let the compiler reorder sums differently where rows share a
-tile than where a row is alone, and batch invariance needs them the same. The
-queries are split over torch's own OpenMP threads (native.OPENMP)."""
+tile than where a row is alone, and batch invariance needs them the same. For the same
+reason no contraction of a multiply and an add into one FMA (GCC's default for GNU C):
+the compiler fused them in some unrolled copies of a tile's loops and not in others, so
+a query's attention changed in the last bits with the number of queries beside it
+(fp32, AVX2: position 29 computed with 26-28 against with 27-28). The queries are split
+over torch's own OpenMP threads (native.OPENMP)."""
 PARALLEL_MIN_QUERIES = 32
 """Fewer queries than this run on one thread: waking the others costs more than it saves."""
 _ENTRY_POINTS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}

@@ -71,15 +71,18 @@ class ModelRunner:
         self.native_attention = config.native_attention
         if can_pack(config.device, self.dtype):
             pack_linears(model)
-        self.batch_invariant = config.batch_invariant and self._make_batch_invariant()
+        self.batch_invariant = config.batch_invariant and self._make_batch_invariant(
+            config.max_num_batched_tokens
+        )
         self.kv_caches = self._allocate_kv_cache(num_blocks)
 
-    def _make_batch_invariant(self) -> bool:
-        """Matmuls padded to invariant row counts, every query through the paged kernel."""
+    def _make_batch_invariant(self, max_rows: int) -> bool:
+        """Matmuls at invariant row counts (a step holds at most `max_rows` tokens), every
+        query through the paged kernel."""
         if not (self.native_attention and kernel_serves(self.device, self.dtype)):
             log.warning("batch invariance needs the paged-attention kernel: not available")
             return False
-        return make_batch_invariant(self.model, self.dtype)
+        return make_batch_invariant(self.model, self.dtype, max_rows)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[LayerKV]:
         args = self.model.args
