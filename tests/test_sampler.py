@@ -291,11 +291,21 @@ def test_verified_tokens_with_penalties_are_those_sampling_without_drafts_gives(
 # ---- seeded sampling through the engine ---------------------------------------------
 
 SEEDED = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.95, seed=1234)
+SEEDED_PENALISED = SamplingParams(
+    max_tokens=8,
+    temperature=1.0,
+    seed=1234,
+    min_p=0.05,
+    presence_penalty=1.0,
+    frequency_penalty=0.5,
+    logit_bias=((13, -5.0), (28, 3.0)),
+)
 
 
-def test_seeded_request_is_reproducible_whatever_shares_the_batch(engine, tokenizer):
+@pytest.mark.parametrize("seeded", [SEEDED, SEEDED_PENALISED], ids=["plain", "penalised"])
+def test_seeded_request_is_reproducible_whatever_shares_the_batch(engine, tokenizer, seeded):
     prompt = chat_prompt_ids(tokenizer, "Tell me a story about a dragon.")
-    alone = run_requests(engine, {"seeded": (prompt, SEEDED)})["seeded"]
+    alone = run_requests(engine, {"seeded": (prompt, seeded)})["seeded"]
 
     others = {
         "greedy": (chat_prompt_ids(tokenizer, "What is 2+2?"), greedy(8)),
@@ -305,7 +315,7 @@ def test_seeded_request_is_reproducible_whatever_shares_the_batch(engine, tokeni
     for request_id, (other_prompt, params) in others.items():
         engine.add_request(request_id, other_prompt, params)
     engine.step()  # the seeded request now joins mid-flight, at another batch position
-    engine.add_request("seeded", prompt, SEEDED)
+    engine.add_request("seeded", prompt, seeded)
     crowded = drain(engine)
 
     assert crowded["seeded"].token_ids == alone.token_ids
