@@ -34,8 +34,10 @@
 
 #include "bf16.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
 #define LANES 16
 #else
 #define LANES 8
@@ -88,6 +90,20 @@ INLINE vec load_f32(const float *p) {
 
 INLINE void store_f32(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
+/* a * b + c. The build fuses no multiply and add on its own (-ffp-contract=off: it fused
+ * them in some unrolled copies of a loop and not in others, and a row's bits then depended
+ * on its tile); where a fused one is wanted for speed it is asked for here, the same in
+ * every copy. */
+INLINE vec fmadd(vec a, vec b, vec c) {
+#if LANES == 16
+    return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
 /* LANES elements of a cache row from dim d on, widened to fp32 when the cache is bf16. */
 INLINE vec load_row(const void *row, int64_t d, int is_bf16) {
     if (!is_bf16) return load_f32((const float *)row + d);
@@ -112,12 +128,12 @@ INLINE vec vexp(vec x) {
     vec n = (x * 1.44269504f + shifter) - shifter;
     vec r = (x - n * 0.693359375f) - n * -2.12194440e-4f; /* ln 2 in two parts */
     vec p = (vec){0} + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    p = fmadd(p, r, (vec){0} + 1.0f / 120);
+    p = fmadd(p, r, (vec){0} + 1.0f / 24);
+    p = fmadd(p, r, (vec){0} + 1.0f / 6);
+    p = fmadd(p, r, (vec){0} + 0.5f);
+    p = fmadd(p, r, (vec){0} + 1.0f);
+    p = fmadd(p, r, (vec){0} + 1.0f);
     ivec scale = (__builtin_convertvector(n, ivec) + 127) << 23;
     vec result = p * (vec)scale;
     return (vec)((ivec)result & (ivec)(x >= -87.0f));
@@ -185,7 +201,7 @@ INLINE void score_tile(Tile *t, int64_t r0, int rows, const Block *b, int64_t p0
         UNROLL for (int j = 0; j < keys; j++) k[j] = load_row(b->k[p0 + j], d, is_bf16);
         UNROLL for (int i = 0; i < rows; i++) {
             vec q = load_f32(&t->q[r0 + i][d]);
-            UNROLL for (int j = 0; j < keys; j++) acc[i][j] += q * k[j];
+            UNROLL for (int j = 0; j < keys; j++) acc[i][j] = fmadd(q, k[j], acc[i][j]);
         }
     }
     UNROLL for (int i = 0; i < rows; i++) {
@@ -214,7 +230,7 @@ INLINE void accumulate_tile(Tile *t, int64_t r0, int rows, const Block *b, int64
         UNROLL for (int c = 0; c < vecs; c++) v[c] = load_row(b->v[p], d0 + c * LANES, is_bf16);
         UNROLL for (int i = 0; i < rows; i++) {
             float w = t->weight[r0 + i][p];
-            UNROLL for (int c = 0; c < vecs; c++) acc[i][c] += w * v[c];
+            UNROLL for (int c = 0; c < vecs; c++) acc[i][c] = fmadd((vec){0} + w, v[c], acc[i][c]);
         }
     }
     UNROLL for (int i = 0; i < rows; i++)
