@@ -57,6 +57,7 @@ from deployments.pool import PoolRequest
 from deployments.pool_monitor import PoolMonitor, TrackedSequence
 from deployments.request_body import decode_json_object, read_body
 from deployments.routes import Call, Route, RouteTable
+from deployments.slo_watch import SloWatch
 from deployments.streaming import ChoiceProgress, merge_streams, usage
 from deployments.telemetry import Admission, RequestRecord, Telemetry
 from engine.outputs import RequestOutput
@@ -161,6 +162,10 @@ class Ingress:
         self._telemetry = Telemetry(config.model_name, pool_configs, self._monitor)
         await self._monitor.poll_once()
         self._poller = asyncio.create_task(self._monitor.poll_forever())
+        self._slo_watch = SloWatch(config.tiers, self._monitor)
+        self._slo_watch.check()
+        self._telemetry.registry.register(self._slo_watch)
+        self._slo_watcher = asyncio.create_task(self._slo_watch.watch_forever())
         routes: dict[tuple[str, str], Route] = {
             **{
                 ("POST", path): Route(partial(self._complete, endpoint=endpoint))
@@ -210,7 +215,8 @@ class Ingress:
     async def _health(self, request: Request, call: Call) -> Response:
         """503 while some pool has no live replica, so a load balancer routes elsewhere; a
         pool still waiting for its model (the small model before it is distilled) is named
-        in `unavailable` but does not fail the check: everything else serves."""
+        in `unavailable` but does not fail the check: everything else serves. Tiers whose
+        SLO their pools miss even idle are named in `slo_infeasible` (it serves, late)."""
         waiting = {
             name: reason
             for name in self._pools
@@ -218,6 +224,8 @@ class Ingress:
         }
         down = [n for n in self._pools if not self._monitor.replica_stats(n) and n not in waiting]
         details: dict[str, Any] = {"unavailable": waiting} if waiting else {}
+        if infeasible := self._slo_watch.infeasible():
+            details["slo_infeasible"] = infeasible
         if down:
             body = {"status": "degraded", "pools_down": down, **details}
             return JSONResponse(body, status_code=503)
@@ -489,6 +497,7 @@ class Ingress:
         prediction = job.placement.prediction
         if prediction is not None:
             headers["x-tierserve-predicted-ttft-ms"] = f"{prediction.ttft_s * 1000:.0f}"
+            headers["x-tierserve-predicted-tpot-ms"] = f"{prediction.tpot_s * 1000:.1f}"
         if job.placement.downgraded:
             headers["x-tierserve-downgraded"] = "true"
         if job.model_choice.difficulty is not None:
