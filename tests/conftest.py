@@ -7,18 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import TEST_ENGINE_CONFIG
+from engine_helpers import TEST_ENGINE_CONFIG, tiny_distill_settings
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig, default_cache_dir
-from engine.distill.run import DistillSettings, distill
-from engine.distill.trainer import TrainSettings
+from engine.distill.run import distill
 from engine.engine import LLMEngine
 from engine.model.batch_invariance import request_reproducible_blas
-from engine.model.loader import load_tokenizer, resolve_model_dir
-
-QUALITY_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "quality_prompts.jsonl"
-"""Chat prompts the project wrote (a `prompt` field per line): enough for a tiny distillation."""
+from engine.model.loader import load_tokenizer
 
 # Before this process's first matmul, as a pool replica does (engine.process).
 request_reproducible_blas()
@@ -59,14 +55,6 @@ def tiny_student_cache(tmp_path_factory) -> Path:
     """A cache holding one student distilled on a tiny budget (2 of 30 layers, 2 steps):
     quality is beside the point, its shape and loading are what tests need."""
     cache = tmp_path_factory.mktemp("student-cache")
-    teacher = resolve_model_dir("default", default_cache_dir())
-    settings = DistillSettings(
-        teacher=str(teacher),
-        prompts_file=QUALITY_PROMPTS,
-        max_prompts=6,
-        max_answer_tokens=8,
-        keep_layers=(0, 29),
-        train=TrainSettings(max_steps=2),
-    )
-    distill(settings, cache, show_progress=False)
+    distill(tiny_distill_settings(), cache, show_progress=False)
     return cache
+

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from engine.config import default_cache_dir
+from engine.distill.run import DistillSettings
+from engine.distill.trainer import TrainSettings
 from engine.engine import LLMEngine
 from engine.kv_cache import KVCacheManager
+from engine.model.loader import resolve_model_dir
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -18,6 +23,9 @@ TEST_ENGINE_CONFIG = dict(
     max_num_batched_tokens=64,
 )
 """Small and exact: fp32 for parity, a 1,024-token KV pool (47 MB) instead of 1 GB."""
+
+QUALITY_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "quality_prompts.jsonl"
+"""Chat prompts the project wrote (a `prompt` field per line): enough for a tiny distillation."""
 
 MAX_STEPS = 2_000
 """Far more than any test needs: hitting it means a deadlock or a livelock."""
@@ -125,3 +133,16 @@ def forget_fresh_blocks(kv: KVCacheManager, slot_tokens: dict[int, int]) -> None
         return block
 
     kv.pool.allocate = allocate_fresh  # type: ignore[method-assign]
+
+
+def tiny_distill_settings() -> DistillSettings:
+    """A student of 2 of the default model's 30 layers, trained 2 steps on 6 short answers:
+    quality is beside the point, its shape, loading and reproducibility are what tests need."""
+    return DistillSettings(
+        teacher=str(resolve_model_dir("default", default_cache_dir())),
+        prompts_file=QUALITY_PROMPTS,
+        max_prompts=6,
+        max_answer_tokens=8,
+        keep_layers=(0, 29),
+        train=TrainSettings(max_steps=2),
+    )

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from engine_helpers import greedy, run_one
+from engine_helpers import greedy, run_one, tiny_distill_settings
 from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
@@ -22,6 +22,8 @@ from engine.distill.registry import (
 )
 from engine.distill.student import init_student
 from engine.distill.teacher import Example
+from engine.distill.card import weights_digest
+from engine.distill.run import distill
 from engine.distill.trainer import CHECKPOINT_FILE, TrainSettings, evaluate, train
 from engine.engine import LLMEngine
 from engine.model.chat import chat_prompt_ids
@@ -118,3 +120,27 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
     before = evaluate(init_student(teacher_dir, (0, 29)), batches)
     after = evaluate(again, batches)
     assert after["kd_loss"] < before["kd_loss"], "four steps on the same batches must fit them"
+
+
+def test_the_same_command_publishes_the_same_student(tiny_student_cache, tmp_path, capsys):
+    """Bounded by steps, seeded, at one thread count: a second run in another cache gives
+    the same weights to the last bit, and its log says how far it got."""
+    again = distill(tiny_distill_settings(), tmp_path, show_progress=False)
+    first = json.loads((latest_student(tiny_student_cache) / CARD_FILE).read_text())
+    second = json.loads((again / CARD_FILE).read_text())
+    assert second["reproducible"]["weights_sha256"] == first["reproducible"]["weights_sha256"]
+    assert second["reproducible"]["weights_sha256"] == weights_digest(
+        AutoModelForCausalLM.from_pretrained(again, dtype=torch.float32)
+    )
+    assert second["training"]["steps"] == 2
+    assert "distill: step 2/2, " in capsys.readouterr().out
+
+
+def test_training_past_the_expected_minutes_warns_and_goes_on(tmp_path, caplog):
+    teacher_dir = resolve_model_dir("default", EngineConfig().cache_dir)
+    batches = make_batches(_examples(4), max_tokens=48, pad_id=0)
+    settings = TrainSettings(max_steps=3, expected_minutes=1e-6)
+    progress = train(init_student(teacher_dir, (0, 29)), batches, settings, tmp_path, False)
+    assert progress.step == 3  # the clock does not cut the run short
+    warnings = [r for r in caplog.records if "past the expected" in r.getMessage()]
+    assert len(warnings) == 1

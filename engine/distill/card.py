@@ -6,10 +6,13 @@ before the folder is published, so a student never exists without its card.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -35,6 +38,16 @@ def decode_tokens_per_s(model: str, cache_dir: Path, repeats: int = 2) -> float:
             num_tokens += sum(len(o.new_token_ids) for o in engine.step())
         best = max(best, num_tokens / (time.perf_counter() - started))
     return best
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of every tensor's name and bytes: two runs published the same student exactly
+    when their digests match."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def write_card(folder: Path, card: dict[str, Any]) -> None:
@@ -64,6 +77,10 @@ def _readme(card: dict[str, Any]) -> str:
             f"{card['training']['num_tokens']:,} tokens in "
             f"{card['training']['minutes']:.1f} min; whole distillation "
             f"{card['distill_minutes']:.1f} min.",
+            f"- Reproducible: bounded by steps, seed {card['reproducible']['seed']}, "
+            f"{card['reproducible']['num_threads']} threads; weights SHA-256 "
+            f"{card['reproducible']['weights_sha256']}: the same command on a machine of this "
+            "kind publishes these very weights.",
             "",
         ]
     )

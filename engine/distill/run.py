@@ -22,7 +22,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.distill.batches import Batch, make_batches
-from engine.distill.card import decode_tokens_per_s, write_card
+from engine.distill.card import decode_tokens_per_s, weights_digest, write_card
 from engine.distill.registry import next_student_dir, students_dir
 from engine.distill.student import DEFAULT_KEEP_LAYERS, init_student
 from engine.distill.teacher import Example, teacher_examples
@@ -78,6 +78,7 @@ def _distill_locked(
     tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
     examples = _teacher_data(settings, cache_dir, tokenizer, work, show_progress)
     train_batches, eval_batches = _split(examples, settings, tokenizer)
+    torch.manual_seed(settings.train.seed)  # whatever the teacher's blocks do not fill
     student = init_student(teacher_dir, settings.keep_layers)
     before = evaluate(student, eval_batches)
     progress = train(student, train_batches, settings.train, work, show_progress)
@@ -175,6 +176,14 @@ def _card(
             "minutes": progress["elapsed_s"] / 60,
             "final_loss": progress["last_loss"],
             "settings": asdict(settings.train),
+        },
+        "reproducible": {
+            "bounded_by": "steps and tokens (max_steps, max_tokens), never time",
+            "seed": settings.train.seed,
+            "num_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "settings_fingerprint": settings.fingerprint(),
+            "weights_sha256": weights_digest(student),
         },
         "prompts_file": settings.prompts_file.name,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
