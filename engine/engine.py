@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
+from engine.grammar import GrammarCompiler, GrammarState
 from engine.kv_cache import KVCacheManager
 from engine.model.model_runner import ModelRunner
 from engine.outputs import EngineStats, RequestOutput, RunnerOutput, TokenLogprob
@@ -65,6 +66,7 @@ class LLMEngine:
             config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
         )
         self.eos_token_ids = _eos_token_ids(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, args.vocab_size, self.eos_token_ids)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(config)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.step_cost = StepCostModel()
@@ -109,10 +111,12 @@ class LLMEngine:
         max_step_s: float | None = None,
     ) -> None:
         """Queue a request (validated first; ValueError says what is wrong). `max_step_s`
-        is its time-per-token target, which the scheduler keeps steps within."""
+        is its time-per-token target, which the scheduler keeps steps within. A grammar is
+        compiled here (cached by content), never inside a step."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         self.validate(prompt_token_ids, params)
+        grammar = self._grammar_state(params)
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = Request(
             request_id, list(prompt_token_ids), params, priority, max_step_s, self.eos_token_ids,
@@ -126,7 +130,19 @@ class LLMEngine:
             stop_filter=StopStringFilter(params.stop, params.include_stop_str_in_output),
         )
         self.num_prompt_tokens += len(prompt_token_ids)
+        if grammar is not None:
+            self.runner.constrain(request, grammar)
         self.scheduler.add(request)
+
+    def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
+        """A fresh matcher of the request's grammar; ValueError when it cannot compile."""
+        if params.grammar is None:
+            return None
+        try:
+            return GrammarState(self.grammars.compile(params.grammar))
+        except ValueError as error:
+            kind = params.grammar.kind
+            raise ValueError(f"the grammar ({kind}) cannot be used: {error}") from None
 
     def _calibrate_step_cost(self) -> None:
         """Run throwaway requests shaped to pin the fit's three terms: one sequence alone
@@ -281,6 +297,7 @@ class LLMEngine:
     def _release(self, request: Request) -> None:
         """Forget a finished request everywhere outside the scheduler."""
         self.requests.pop(request.request_id)
+        self.runner.release(request)
         if self.speculator is not None:
             self.speculator.release(request)
 

@@ -16,6 +16,11 @@ presence and frequency penalties, the min_tokens ban (all on the raw logits);
 then temperature, top-k, top-p and min-p. The penalties read the output so
 far, so verification counts the drafts accepted before each position as
 output: every position is sampled exactly as it would be without drafts.
+
+A request with a grammar (engine/grammar.py) has its row masked to the tokens
+the grammar allows before all of that; its matcher advances by each emitted
+token, so in verification every position is masked by the state after the
+drafts accepted before it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.grammar import GrammarState, mask_logits
 from engine.kernels.argmax import argmax_rows
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -48,6 +54,8 @@ class SampleRow:
     """EOS and stop token ids, masked while fewer than min_tokens were produced."""
     output_token_ids: Sequence[int] = ()
     """Output so far: for the presence and frequency penalties (empty when they are off)."""
+    grammar: GrammarState | None = None
+    """The request's matcher when its output is constrained; advanced as tokens are drawn."""
 
     def after(self, accepted: Sequence[int]) -> SampleRow:
         """The row at the position after `accepted` drafts, which count as output there."""
@@ -65,12 +73,17 @@ def sample(
     logits: torch.Tensor, rows: list[SampleRow]
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row of `logits` [N, V], and its log-probability under the raw model for
-    the rows whose request asked for logprobs (None for the others: no softmax is spent)."""
-    argmax = argmax_rows(logits)  # one batched call serves every plain greedy row
+    the rows whose request asked for logprobs (None for the others: no softmax is spent).
+    Constrained rows draw among the tokens their grammar allows, which then advances."""
+    masked = mask_logits(logits, [row.grammar for row in rows])
+    argmax = argmax_rows(masked)  # one batched call serves every plain greedy row
     token_ids = [
-        argmax[i] if _is_plain_greedy(row) else sample_row(logits[i], row)
+        argmax[i] if _is_plain_greedy(row) else sample_row(masked[i], row)
         for i, row in enumerate(rows)
     ]
+    for row, token in zip(rows, token_ids, strict=True):
+        if row.grammar is not None:  # after every draw: a failed batch advances no matcher
+            row.grammar.accept(token)
     logprobs = [
         None
         if row.params.logprobs is None
@@ -214,7 +227,10 @@ def verify(
 
     At each position the target's own token is drawn (`sample_row`: the argmax,
     or the seeded exponential race, with the drafts accepted before it counted
-    as output by the penalties); a draft survives while it equals that token.
+    as output by the penalties, and the grammar's mask after them); a draft
+    survives while it equals that token, so one the grammar forbids never does.
+    The matcher advances by the emitted tokens alone and stops at the grammar's
+    end: it holds exactly what was accepted.
     Every emitted token is thus exactly what sampling without drafts would
     have produced at its position, so the output distribution is the
     target's and a seeded request's text does not depend on the drafts. A
@@ -224,10 +240,16 @@ def verify(
     come back only when the request asked for them (else []).
     """
     tokens: list[int] = []
+    grammar = row.grammar
     for i, logits_row in enumerate(logits[: len(draft_token_ids) + 1]):
-        token = sample_row(logits_row, row.after(draft_token_ids[:i]))
+        masked = mask_logits(logits_row[None], [grammar])[0]
+        token = sample_row(masked, row.after(draft_token_ids[:i]))
         tokens.append(token)
+        if grammar is not None:
+            grammar.accept(token)
         if i == len(draft_token_ids) or token != draft_token_ids[i]:
+            break
+        if grammar is not None and grammar.is_terminated:
             break
     if row.params.logprobs is None:
         return tokens, []

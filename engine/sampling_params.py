@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 MAX_TOP_LOGPROBS = 20
 """Most alternatives a request may ask log-probabilities of, per token (OpenAI's limit)."""
@@ -15,6 +16,23 @@ MAX_PENALTY = 2.0
 """Presence and frequency penalties lie in [-2, 2] (OpenAI's range)."""
 MAX_LOGIT_BIAS = 100.0
 """A logit bias lies in [-100, 100] (OpenAI's range: -100 bans a token, 100 forces it)."""
+
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "ebnf"]
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on the output, as text: hashable (compiled grammars are cached by it)
+    and picklable (it crosses to the engine process with the rest of the params).
+    engine/grammar.py compiles it."""
+
+    kind: GrammarKind
+    source: str = ""
+    """The JSON schema (as JSON text), the regex, the EBNF grammar, or the choices as a
+    JSON list of strings; empty for json_object."""
+    strict: bool = True
+    """json_schema only: no properties beyond the schema's (OpenAI's `strict`)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +74,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """The same for every prompt token after the first (an echo with logprobs): the prompt
     is then computed whole, never read from the prefix cache."""
+    grammar: GrammarSpec | None = None
+    """Constrained decoding: every token is drawn among those the grammar allows next,
+    and the grammar's end (EOS allowed alone) ends the request."""
 
     def __post_init__(self) -> None:
         # Normalise list inputs from JSON so the dataclass stays hashable.
@@ -78,6 +99,7 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be token ids (>= 0)")
+        self._check_grammar()
 
     def _check_sampling(self) -> None:
         """Temperature, top-p, top-k, min-p and seed."""
@@ -111,6 +133,16 @@ class SamplingParams:
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 bounds = f"[-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"
                 raise ValueError(f"logit_bias values must be in {bounds}, got {bias}")
+
+    def _check_grammar(self) -> None:
+        """A grammar ends the output itself: EOS is the token its end allows, so EOS can be
+        neither ignored nor banned (the row would have no token left to draw)."""
+        if self.grammar is None:
+            return
+        if self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a grammar: its end is EOS")
+        if self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with a grammar: it may end sooner")
 
     def _check_lengths(self) -> None:
         """max_tokens and min_tokens."""

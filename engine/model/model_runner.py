@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from engine.config import EngineConfig
+from engine.grammar import GrammarState
 from engine.model.attention import AttentionMetadata, kernel_serves
 from engine.model.batch_invariance import make_batch_invariant
 from engine.model.llama import LayerKV, LlamaForCausalLM
@@ -75,6 +76,16 @@ class ModelRunner:
             config.max_num_batched_tokens
         )
         self.kv_caches = self._allocate_kv_cache(num_blocks)
+        self.grammars: dict[Request, GrammarState] = {}
+        """The matcher of each live constrained request (the engine adds and releases)."""
+
+    def constrain(self, request: Request, grammar: GrammarState) -> None:
+        """Draw `request`'s tokens among those `grammar` allows, from its first on."""
+        self.grammars[request] = grammar
+
+    def release(self, request: Request) -> None:
+        """Forget a finished request's matcher (a no-op for an unconstrained one)."""
+        self.grammars.pop(request, None)
 
     def _make_batch_invariant(self, max_rows: int) -> bool:
         """Matmuls at invariant row counts (a step holds at most `max_rows` tokens), every
@@ -242,6 +253,7 @@ class ModelRunner:
             banned_until_min_tokens=(
                 tuple(request.eos_token_ids) + params.stop_token_ids if params.min_tokens else ()
             ),
+            grammar=self.grammars.get(request),
         )
 
 

@@ -1,0 +1,132 @@
+"""Constrained decoding: grammars compiled for the model's tokenizer, a matcher per request.
+
+A request's `GrammarSpec` (JSON schema, any JSON object, regex, a choice of
+strings, EBNF) is parsed and compiled once per content (an LRU cache), before
+the request is scheduled; the step only asks each constrained request's
+matcher for its next-token bitmask and applies it to that row of logits.
+Unconstrained rows are never touched.
+
+The library is xgrammar, not llguidance. Measured on the default model's
+49,152-token vocabulary (SmolLM2), a three-field JSON schema walked token by
+token: xgrammar's next-token mask p50 4 us / p95 13 us against llguidance's
+28 us / 116 us; compile 7 ms cold, 0.08 ms cached (llguidance compiles
+lazily, 2.6 ms at the matcher's creation).
+
+JSON is compact (no free whitespace): a small model at temperature 1 could
+otherwise spend its whole budget on blank lines and never close the object.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Iterable, Sequence
+
+import torch
+import xgrammar as xgr
+from transformers import PreTrainedTokenizerBase
+
+from engine.sampling_params import GrammarSpec
+
+COMPILED_CACHE_SIZE = 256
+"""Distinct grammars kept compiled (a JSON schema's compiled form is tens of KB)."""
+_LOCATION = re.compile(r"^\[[^\]]*\] \S+:\d+: ")
+"""xgrammar prefixes its errors with a time and a C++ source location."""
+
+
+def parse(spec: GrammarSpec) -> xgr.Grammar:
+    """The grammar of `spec`, without a tokenizer: cheap, so the ingress refuses a bad one
+    with a 400 before any engine sees it. ValueError says what is wrong."""
+    try:
+        return _parse(spec)
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(_LOCATION.sub("", str(error)).strip().splitlines()[0]) from None
+
+
+def _parse(spec: GrammarSpec) -> xgr.Grammar:
+    if spec.kind == "json_schema":
+        return xgr.Grammar.from_json_schema(
+            spec.source, any_whitespace=False, strict_mode=spec.strict
+        )
+    if spec.kind == "json_object":
+        return xgr.Grammar.from_json_schema(
+            '{"type": "object"}', any_whitespace=False, strict_mode=False
+        )
+    if spec.kind == "regex":
+        return xgr.Grammar.from_regex(spec.source)
+    if spec.kind == "choice":
+        return xgr.Grammar.from_ebnf(_choices_ebnf(spec.source))
+    return xgr.Grammar.from_ebnf(spec.source)
+
+
+def _choices_ebnf(source: str) -> str:
+    """`root ::= "a" | "b"`: one alternative per string (JSON escapes are EBNF's too)."""
+    choices = json.loads(source)
+    if not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError("choices must be a non-empty list of non-empty strings")
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarCompiler:
+    """Compiles specs for one tokenizer and vocabulary; the same spec compiles once.
+
+    The model's EOS ids are the grammars' stop tokens: a grammar that has
+    reached its end allows EOS alone, so the request stops there.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        stop_token_ids: Iterable[int],
+    ) -> None:
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
+        )
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.compile = functools.lru_cache(maxsize=COMPILED_CACHE_SIZE)(self._compile)
+
+    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """The compiled grammar of `spec` (ValueError when it cannot be compiled)."""
+        grammar = parse(spec)
+        try:
+            return self._compiler.compile_grammar(grammar)
+        except RuntimeError as error:
+            raise ValueError(_LOCATION.sub("", str(error)).strip()) from None
+
+
+class GrammarState:
+    """One request's place in its grammar: which tokens may come next, advanced by each
+    token the request emits."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into row `row` of `bitmask` (int32 bits)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> None:
+        """Advance past `token_id`; a token the grammar forbids is a bug upstream."""
+        if not self._matcher.accept_token(token_id):
+            raise ValueError(f"token {token_id} is not allowed by the request's grammar")
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar has ended (its stop token accepted): nothing may follow."""
+        return self._matcher.is_terminated()
+
+
+def mask_logits(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> torch.Tensor:
+    """`logits` [N, V] with each constrained row's forbidden tokens at -inf (a copy; the
+    input is returned as is when no row is constrained)."""
+    rows = [i for i, state in enumerate(states) if state is not None]
+    if not rows:
+        return logits
+    bitmask = xgr.allocate_token_bitmask(len(states), logits.shape[-1])
+    for i in rows:
+        states[i].fill_mask(bitmask, i)  # type: ignore[union-attr]
+    masked = logits.clone()
+    xgr.apply_token_bitmask_inplace(masked, bitmask, indices=rows)
+    return masked
