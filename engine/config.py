@@ -17,6 +17,9 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 
+CPU_PRIORITIES = ("inherit", "urgent")
+"""EngineConfig.cpu_priority's values (engine.process.apply_cpu_priority says what each does)."""
+
 
 def default_cache_dir() -> Path:
     """Where converted checkpoints live: $TIERSERVE_CACHE, else ~/.cache/tierserve."""
@@ -123,6 +126,11 @@ class EngineConfig:
     """Step in a child process of its own instead of a thread of the caller's
     (engine.engine_process): in a Serve replica, Ray's threads and the replica's event
     loop then never hold the GIL a step is waiting for. Pools turn it on."""
+    cpu_priority: str = "inherit"
+    """`urgent` for a pool with a TPOT target that shares a node: its engine's child process
+    gets the cores first (engine.process.apply_cpu_priority, so needs `separate_process`).
+    `inherit` keeps the priority the process was started with (Ray's workers: nice 15):
+    a throughput pool then still takes every cycle the urgent ones leave idle."""
     stall_timeout_s: float = 120.0
     """A step running longer than this while work waits marks the engine unhealthy (a
     wedged forward pass): the pool's health check then fails and Serve replaces it."""
@@ -146,6 +154,15 @@ class EngineConfig:
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be >= 2")
+        if self.cpu_priority not in CPU_PRIORITIES:
+            raise ValueError(
+                f"cpu_priority must be one of {list(CPU_PRIORITIES)}, got {self.cpu_priority!r}"
+            )
+        if self.cpu_priority != "inherit" and not self.separate_process:
+            raise ValueError(
+                f"cpu_priority {self.cpu_priority!r} applies to the engine's child process: "
+                "set separate_process: true (the replica's own process keeps Ray's priority)"
+            )
         if self.stall_timeout_s <= 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
 

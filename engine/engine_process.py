@@ -123,10 +123,12 @@ class EngineProcess:
 
 
 def _child_main(config: EngineConfig, conn: Connection, step_started: ctypes.c_double) -> None:
-    """The child: own the process settings, build the engine, serve the loop."""
+    """The child: own the process settings (its pool's CPU priority too: the parent, a
+    Serve replica, keeps Ray's), build the engine, serve the loop."""
     from engine.engine import LLMEngine  # torch and the model load here, not in the parent
-    from engine.process import configure_process
+    from engine.process import apply_cpu_priority, configure_process
 
+    apply_cpu_priority(config.cpu_priority)
     configure_process(config)
     try:
         engine = LLMEngine(config)
