@@ -10,16 +10,24 @@ with one batch size, every tier first come first served.
 1. Overload: N closed-loop workers stream chat completions, tiers
    interactive:standard:batch = 1:1:1, 64 output tokens (EOS ignored), after
    a warm-up wave that is not counted; a refused request's worker waits
-   before its next. Per tier: goodput (share of admitted
+   its Retry-After before its next. Per tier: goodput (share of admitted
    requests meeting both SLOs), sheds, and sheds of interactive requests while
-   batch requests were running.
-2. Offered load: open-loop Poisson arrivals at rising rates, the same mix; the
+   batch requests were running; output tokens per second against the shared pool.
+2. Protect (tierserve only): a light interactive load, well within what the
+   interactive pool serves alone (PROTECT_MIX), beside a heavy standard and
+   batch load, against the same deployment with the interactive load alone and
+   with the background load alone: the interactive TPOT beside over alone, its
+   goodput, and the offline pool's output tokens per second beside the
+   interactive load over without it (is the urgent pool protected, and does the
+   offline pool still use what it leaves idle).
+3. Offered load: open-loop Poisson arrivals at rising rates, the same mix; the
    interactive goodput of each deployment at each rate. Reported: tierserve's
    interactive goodput at the lowest rate where the shared pool's falls to
    70% or below.
-3. Cost per 1k output tokens of each pool after the overload (the ingress's
-   `tierserve:cost_per_1k_output_tokens`), and the TTFT prediction error
-   (measured TTFT against the `x-tierserve-predicted-ttft-ms` header).
+4. Cost per 1k output tokens of each pool after the overload (the ingress's
+   `tierserve:cost_per_1k_output_tokens`), and per pool the TTFT and TPOT
+   prediction error under the overload (measured against the
+   `x-tierserve-predicted-ttft-ms` and `-tpot-ms` headers).
 
 SLOs scale with the machine: the configured TTFT and TPOT targets assume a
 batch-1 decode step of REFERENCE_TPOT_MS; they are multiplied by the measured
@@ -35,6 +43,7 @@ import dataclasses
 import json
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,10 +79,17 @@ class Plan:
     rates: tuple[float, ...]
     """Offered loads, requests per second."""
     rate_s: float
+    protect_s: float
+    """Each of the protect phase's three parts: interactive alone, background alone, both."""
 
 
-FULL = Plan(concurrency=48, overload_s=60, rates=(0.5, 1, 2, 4), rate_s=40)
-QUICK = Plan(concurrency=24, overload_s=45, rates=(0.5, 1.5, 3), rate_s=20)
+FULL = Plan(concurrency=48, overload_s=60, rates=(0.5, 1, 2, 4), rate_s=40, protect_s=40)
+QUICK = Plan(concurrency=24, overload_s=30, rates=(1, 3), rate_s=12, protect_s=20)
+PROTECT_MIX = {"interactive": 2, "standard": 8, "batch": 24}
+"""Closed-loop streams per tier in the protect phase (the issue's reproduction): 2
+interactive streams, well within the interactive pool's batch, beside a heavy load."""
+MAX_RETRY_WAIT_S = 5.0
+"""The longest a refused stream waits before its next request, whatever Retry-After says."""
 
 
 @dataclass
@@ -86,8 +102,25 @@ class Outcome:
     ttft_s: float | None = None
     tpot_s: float | None = None
     predicted_ttft_ms: float | None = None
+    predicted_tpot_ms: float | None = None
     pool: str | None = None
     batch_running_at_refusal: int = 0
+    retry_after_s: float | None = None
+    num_tokens: int = 0
+    first_token_s: float | None = None
+    """perf_counter time of the first and last content deltas."""
+    last_token_s: float | None = None
+
+    def tokens_within(self, start_s: float, end_s: float) -> float:
+        """Output tokens streamed between the two times, taken as evenly spread between the
+        first and last token (a phase's throughput, without the drain after it)."""
+        first, last = self.first_token_s, self.last_token_s
+        if first is None or last is None or self.num_tokens == 0:
+            return 0.0
+        if last <= first:
+            return float(self.num_tokens) if start_s <= first <= end_s else 0.0
+        overlap = max(0.0, min(last, end_s) - max(first, start_s))
+        return self.num_tokens * overlap / (last - first)
 
 
 @dataclass
@@ -125,25 +158,36 @@ class Client:
             outcome.status = r.status_code
             if r.status_code != 200:
                 outcome.batch_running_at_refusal = self.batch_running
+                outcome.retry_after_s = _header_float(r.headers, "retry-after")
                 await r.aread()
                 return
             outcome.pool = r.headers.get("x-tierserve-pool")
-            predicted = r.headers.get("x-tierserve-predicted-ttft-ms")
-            outcome.predicted_ttft_ms = float(predicted) if predicted else None
-            first_s = last_s = None
-            num_tokens = 0
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line.removeprefix("data: "))
-                if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-                    last_s = time.perf_counter()
-                    first_s = first_s or last_s
-                num_tokens = (chunk.get("usage") or {}).get("completion_tokens", num_tokens)
-            if first_s is not None and last_s is not None:
-                outcome.ttft_s = first_s - outcome.start_s
-                if num_tokens > 1:
-                    outcome.tpot_s = (last_s - first_s) / (num_tokens - 1)
+            outcome.predicted_ttft_ms = _header_float(r.headers, "x-tierserve-predicted-ttft-ms")
+            outcome.predicted_tpot_ms = _header_float(r.headers, "x-tierserve-predicted-tpot-ms")
+            await _read_stream(r, outcome)
+
+
+def _header_float(headers: httpx.Headers, name: str) -> float | None:
+    value = headers.get(name)
+    return float(value) if value else None
+
+
+async def _read_stream(response: httpx.Response, outcome: Outcome) -> None:
+    """Time the content deltas and read the usage chunk's token count into `outcome`."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data: {"):
+            continue
+        chunk = json.loads(line.removeprefix("data: "))
+        if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+            outcome.last_token_s = time.perf_counter()
+            outcome.first_token_s = outcome.first_token_s or outcome.last_token_s
+        usage = chunk.get("usage") or {}
+        outcome.num_tokens = usage.get("completion_tokens", outcome.num_tokens)
+    first_s, last_s = outcome.first_token_s, outcome.last_token_s
+    if first_s is not None and last_s is not None:
+        outcome.ttft_s = first_s - outcome.start_s
+        if outcome.num_tokens > 1:
+            outcome.tpot_s = (last_s - first_s) / (outcome.num_tokens - 1)
 
     def met_slo(self, outcome: Outcome) -> bool:
         """Admitted and within both of its tier's targets."""
@@ -156,17 +200,72 @@ class Client:
         )
 
 
-async def overload(client: Client, plan: Plan) -> None:
-    """Closed loop: each worker sends its tier's next request as its last one ends."""
-    deadline = time.perf_counter() + plan.overload_s
+async def closed_loop(client: Client, streams: Sequence[str], seconds: float) -> float:
+    """Each stream sends its tier's next request as its last one ends, until `seconds` have
+    passed; a refused one waits its Retry-After first (at most MAX_RETRY_WAIT_S). Returns
+    the time the loop started (perf_counter)."""
+    start = time.perf_counter()
+    deadline = start + seconds
 
     async def worker(tier: str) -> None:
         while time.perf_counter() < deadline:
             outcome = await client.chat(tier)
-            if outcome.status == 429:
-                await asyncio.sleep(min(5.0, max(0.2, deadline - time.perf_counter())))
+            if outcome.status in (429, 503):
+                wait = min(outcome.retry_after_s or 1.0, MAX_RETRY_WAIT_S)
+                await asyncio.sleep(min(wait, max(0.0, deadline - time.perf_counter())))
 
-    await asyncio.gather(*(worker(TIERS[i % 3]) for i in range(plan.concurrency)))
+    await asyncio.gather(*(worker(tier) for tier in streams))
+    return start
+
+
+def overload_streams(plan: Plan) -> list[str]:
+    """The overload's streams: `plan.concurrency` of them, tiers 1:1:1."""
+    return [TIERS[i % 3] for i in range(plan.concurrency)]
+
+
+def protect_streams(tiers: Sequence[str]) -> list[str]:
+    """The protect phase's streams of the given tiers, PROTECT_MIX of each."""
+    return [tier for tier in tiers for _ in range(PROTECT_MIX[tier])]
+
+
+@dataclass(frozen=True)
+class Window:
+    """A phase's requests and the time its load ran."""
+
+    outcomes: list[Outcome]
+    start_s: float
+    end_s: float
+
+    def tokens_per_s(self, pool: str | None = None) -> float:
+        """Output tokens per second streamed within the window (by `pool`, if named)."""
+        tokens = sum(
+            o.tokens_within(self.start_s, self.end_s)
+            for o in self.outcomes
+            if pool is None or o.pool == pool
+        )
+        return tokens / (self.end_s - self.start_s)
+
+
+async def timed(client: Client, streams: Sequence[str], seconds: float) -> Window:
+    """A closed loop over `streams` for `seconds`, its requests alone in the window."""
+    client.outcomes = []
+    start = await closed_loop(client, streams, seconds)
+    return Window(list(client.outcomes), start, start + seconds)
+
+
+async def protect(client: Client, plan: Plan) -> dict[str, Window]:
+    """The interactive load alone, the background load alone, then both together."""
+    background = ("standard", "batch")
+    phases = {
+        "alone": protect_streams(("interactive",)),
+        "no_interactive": protect_streams(background),
+        "protect": protect_streams(("interactive", *background)),
+    }
+    windows = {}
+    for name, streams in phases.items():
+        log(f"--- protect phase, {name}: {len(streams)} streams for {plan.protect_s:.0f} s")
+        windows[name] = await timed(client, streams, plan.protect_s)
+    return windows
 
 
 async def offered_load(client: Client, rate: float, seconds: float, seed: int) -> None:
@@ -234,8 +333,11 @@ def machine_factor(config: TierserveConfig) -> float:
     return max(1.0, tpot_ms / REFERENCE_TPOT_MS)
 
 
-async def run_deployment(name: str, config: TierserveConfig, plan: Plan) -> dict[str, Any]:
-    """Both phases against one deployment; returns what the report needs."""
+async def run_deployment(
+    name: str, config: TierserveConfig, plan: Plan, with_protect: bool
+) -> dict[str, Any]:
+    """The phases against one deployment (the protect phase when asked); returns what the
+    report needs."""
     tiers = {t.name: t for t in config.tiers}
     result: dict[str, Any] = {"rates": {}}
     with serving(config) as base_url:
@@ -243,11 +345,11 @@ async def run_deployment(name: str, config: TierserveConfig, plan: Plan) -> dict
             client = Client(http, tiers, config.model_name)
             log(f"--- {name}: warm-up, {WARM_UP_PER_TIER} requests per tier (not counted)")
             await asyncio.gather(*(client.chat(t) for t in TIERS * WARM_UP_PER_TIER))
-            client.outcomes = []
             log(f"--- {name}: overload, {plan.concurrency} streams for {plan.overload_s:.0f} s")
-            await overload(client, plan)
-            result["overload"] = list(client.outcomes)
+            result["overload"] = await timed(client, overload_streams(plan), plan.overload_s)
             result["cost"] = await pool_costs(http)
+            if with_protect:
+                result["protect"] = await protect(client, plan)
             for i, rate in enumerate(plan.rates):
                 client.outcomes = []
                 log(f"--- {name}: {rate} requests/s for {plan.rate_s:.0f} s")
@@ -272,17 +374,38 @@ async def pool_costs(http: httpx.AsyncClient) -> dict[str, float]:
 def report(ours: dict[str, Any], shared: dict[str, Any], factor: float, out: Path) -> None:
     """The JSON lines of BENCHMARKS.md's SLA section, and a goodput-vs-load plot."""
     client: Client = ours["client"]
-    outcomes: list[Outcome] = ours["overload"]
+    overloaded: Window = ours["overload"]
+    outcomes = overloaded.outcomes
     extra = {"slo_scale": round(factor, 2)}
     for tier in TIERS:
         emit(BENCH, f"goodput.{tier}.overload", goodput(client, outcomes, tier), "share", **extra)
         shed = sum(o.tier == tier and o.status == 429 for o in outcomes)
         emit(BENCH, f"shed.{tier}.overload", shed, "requests", **extra)
-        emit(BENCH, f"goodput.{tier}.overload.shared",
-             goodput(shared["client"], shared["overload"], tier), "share", **extra)  # fmt: skip
+        emit(
+            BENCH,
+            f"goodput.{tier}.overload.shared",
+            goodput(shared["client"], shared["overload"].outcomes, tier),
+            "share",
+            **extra,
+        )
     refused = [o for o in outcomes if o.tier == "interactive" and o.status == 429]
-    emit(BENCH, "shed.interactive_while_batch_running",
-         sum(o.batch_running_at_refusal > 0 for o in refused), "requests", **extra)  # fmt: skip
+    emit(
+        BENCH,
+        "shed.interactive_while_batch_running",
+        sum(o.batch_running_at_refusal > 0 for o in refused),
+        "requests",
+        **extra,
+    )
+    emit(
+        BENCH,
+        "ratio.output_tokens_per_s.overload.tierserve_vs_shared",
+        overloaded.tokens_per_s() / shared["overload"].tokens_per_s(),
+        "x",
+        tierserve=round(overloaded.tokens_per_s(), 1),
+        shared=round(shared["overload"].tokens_per_s(), 1),
+        **extra,
+    )
+    _report_protect(client, ours["protect"], extra)
     _report_load_sweep(ours["rates"], shared["rates"], extra)
     costs = ours["cost"]
     if costs.get("interactive"):
@@ -295,31 +418,102 @@ def report(ours: dict[str, Any], shared: dict[str, Any], factor: float, out: Pat
             f.write(json.dumps(dataclasses.asdict(outcome)) + "\n")
 
 
+def _report_protect(client: Client, windows: dict[str, Window], extra: dict) -> None:
+    """Interactive TPOT beside the heavy load over alone, its goodput, offline throughput."""
+    tpots = {
+        name: [o.tpot_s for o in windows[name].outcomes if o.tier == "interactive" and o.tpot_s]
+        for name in ("alone", "protect")
+    }
+    for q in (50, 95):
+        alone, beside = percentile(tpots["alone"], q), percentile(tpots["protect"], q)
+        emit(
+            BENCH,
+            f"ratio.interactive_tpot.protect_vs_alone.p{q}",
+            beside / alone,
+            "x",
+            protect_ms=round(beside * 1000, 1),
+            alone_ms=round(alone * 1000, 1),
+            n=len(tpots["protect"]),
+            **extra,
+        )
+    protected = windows["protect"].outcomes
+    emit(
+        BENCH,
+        "goodput.interactive.protect",
+        goodput(client, protected, "interactive"),
+        "share",
+        **extra,
+    )
+    emit(
+        BENCH,
+        "shed.interactive.protect",
+        sum(o.tier == "interactive" and o.status != 200 for o in protected),
+        "requests",
+        **extra,
+    )
+    with_load = windows["protect"].tokens_per_s("offline")
+    without = windows["no_interactive"].tokens_per_s("offline")
+    emit(
+        BENCH,
+        "ratio.offline_throughput.protect_vs_no_interactive",
+        with_load / without,
+        "x",
+        protect_tok_s=round(with_load, 1),
+        no_interactive_tok_s=round(without, 1),
+        **extra,
+    )
+
+
 def _report_load_sweep(ours: dict[float, float], shared: dict[float, float], extra: dict) -> None:
     for rate in ours:
         emit(BENCH, f"goodput.interactive.rate{rate}", ours[rate], "share", **extra)
         emit(BENCH, f"goodput.interactive.rate{rate}.shared", shared[rate], "share", **extra)
     over = [rate for rate in sorted(shared) if shared[rate] <= 0.7]
     if over:
-        emit(BENCH, "goodput.interactive.tierserve_at_shared70", ours[over[0]], "share",
-             rate=over[0], **extra)  # fmt: skip
+        emit(
+            BENCH,
+            "goodput.interactive.tierserve_at_shared70",
+            ours[over[0]],
+            "share",
+            rate=over[0],
+            **extra,
+        )
     else:
         log("the shared pool kept interactive goodput above 70% at every rate: raise the rates")
 
 
+def prediction_errors(outcomes: list[Outcome]) -> dict[str, dict[str, list[float]]]:
+    """Per pool, the measured minus predicted TTFT and TPOT (ms) of each admitted request."""
+    errors: dict[str, dict[str, list[float]]] = {}
+    for o in outcomes:
+        pool = errors.setdefault(o.pool or "none", {"ttft": [], "tpot": []})
+        if o.ttft_s is not None and o.predicted_ttft_ms is not None:
+            pool["ttft"].append(o.ttft_s * 1000 - o.predicted_ttft_ms)
+        if o.tpot_s is not None and o.predicted_tpot_ms is not None:
+            pool["tpot"].append(o.tpot_s * 1000 - o.predicted_tpot_ms)
+    return {name: pool for name, pool in errors.items() if pool["ttft"]}
+
+
 def _report_prediction_error(outcomes: list[Outcome], extra: dict) -> None:
-    errors = [
-        abs(o.ttft_s * 1000 - o.predicted_ttft_ms)
-        for o in outcomes
-        if o.ttft_s is not None and o.predicted_ttft_ms is not None
-    ]
-    if errors:
-        signed = [o.ttft_s * 1000 - o.predicted_ttft_ms for o in outcomes
-                  if o.ttft_s is not None and o.predicted_ttft_ms is not None]  # fmt: skip
-        emit(BENCH, "prediction_bias_ms.ttft.p50", percentile(signed, 50), "ms", **extra)
-        for q in (50, 95):
-            emit(BENCH, f"prediction_error_ms.ttft.p{q}", percentile(errors, q), "ms",
-                 n=len(errors), **extra)  # fmt: skip
+    """The absolute error's percentiles over all pools and per pool, and the TTFT bias."""
+    per_pool = prediction_errors(outcomes)
+    every = {
+        kind: [e for pool in per_pool.values() for e in pool[kind]] for kind in ("ttft", "tpot")
+    }
+    if every["ttft"]:
+        emit(BENCH, "prediction_bias_ms.ttft.p50", percentile(every["ttft"], 50), "ms", **extra)
+    for suffix, errors in [("", every), *((f".{name}", e) for name, e in per_pool.items())]:
+        for kind, quantiles in (("ttft", (50, 95)), ("tpot", (50,))):
+            absolute = [abs(e) for e in errors[kind]]
+            for q in quantiles if absolute else ():
+                emit(
+                    BENCH,
+                    f"prediction_error_ms.{kind}.p{q}{suffix}",
+                    percentile(absolute, q),
+                    "ms",
+                    n=len(absolute),
+                    **extra,
+                )
 
 
 def _plot(ours: dict[float, float], shared: dict[float, float], path: Path) -> None:
@@ -362,13 +556,14 @@ def main() -> None:
     factor = machine_factor(config)
     log(f"SLOs scaled by {factor:.2f} (batch-1 decode step / {REFERENCE_TPOT_MS} ms)")
     results = {
-        name: asyncio.run(run_deployment(name, deployment, plan))
+        name: asyncio.run(run_deployment(name, deployment, plan, name == "tierserve"))
         for name, deployment in deployments(config, factor).items()
     }
     ours = results["tierserve"]
     args.out.mkdir(parents=True, exist_ok=True)
     report(ours, results["shared pool"], factor, args.out)
-    summary = {t: [o.status for o in ours["overload"] if o.tier == t].count(429) for t in TIERS}
+    refusals = [o.tier for o in ours["overload"].outcomes if o.status == 429]
+    summary = {t: refusals.count(t) for t in TIERS}
     log(f"429s per tier under overload: {json.dumps(summary)}")
 
 

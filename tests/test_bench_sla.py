@@ -4,15 +4,31 @@ hands to Serve, without a cluster or a model, so the benchmark cannot break unse
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from ray.serve import Application
 
 from app.builder import build_app
 from app.config import TierserveConfig, load_config
 from deployments.ingress import model_routes
-from load.bench_sla import FULL, QUICK, SHARED_MAX_NUM_SEQS, deployments, parse_args
+from load.bench_sla import (
+    FULL,
+    PROTECT_MIX,
+    QUICK,
+    SHARED_MAX_NUM_SEQS,
+    Client,
+    Outcome,
+    Window,
+    closed_loop,
+    deployments,
+    parse_args,
+    prediction_errors,
+    protect_streams,
+)
 
 FACTOR = 2.5
 
@@ -66,3 +82,73 @@ def test_the_shared_deployment_is_one_pool_first_come_first_served(
     assert shared.small_model is None
     assert {(t.pool, t.overflow_pool, t.priority) for t in shared.tiers} == {("shared", None, 0)}
     assert built["tierserve"].pools == configured.pools
+
+
+def test_the_protect_phase_is_light_interactive_load_beside_a_heavy_one(
+    built: dict[str, TierserveConfig],
+) -> None:
+    config = built["tierserve"]
+    interactive = protect_streams(["interactive"])
+    background = protect_streams(["standard", "batch"])
+    assert {config.tier(t).name for t in interactive + background} == set(PROTECT_MIX)
+    # Well within what the interactive pool serves alone, and far past its batch beside it.
+    assert len(interactive) < config.pool("interactive").engine.max_num_seqs
+    assert len(background) > config.pool("interactive").engine.max_num_seqs
+    assert protect_streams(["interactive", "standard", "batch"]) == interactive + background
+    assert QUICK.protect_s * 3 + QUICK.overload_s + QUICK.rate_s * len(QUICK.rates) < 240
+
+
+def test_a_phase_counts_the_tokens_streamed_within_it_by_pool() -> None:
+    spread = Outcome("batch", 200, 0.0, num_tokens=101, first_token_s=5.0, last_token_s=15.0,
+                     pool="offline")  # fmt: skip
+    single = Outcome("interactive", 200, 0.0, num_tokens=1, first_token_s=12.0,
+                     last_token_s=12.0, pool="interactive")  # fmt: skip
+    refused = Outcome("interactive", 429, 0.0)
+    assert spread.tokens_within(10.0, 20.0) == pytest.approx(50.5)
+    assert spread.tokens_within(0.0, 5.0) == 0.0 and refused.tokens_within(0, 99) == 0.0
+    window = Window([spread, single, refused], 10.0, 20.0)
+    assert window.tokens_per_s("offline") == pytest.approx(5.05)
+    assert window.tokens_per_s() == pytest.approx(5.15)
+
+
+def test_prediction_errors_are_measured_minus_predicted_per_pool() -> None:
+    outcomes = [
+        Outcome(
+            "interactive",
+            200,
+            0.0,
+            ttft_s=0.3,
+            tpot_s=0.05,
+            predicted_ttft_ms=250,
+            predicted_tpot_ms=40,
+            pool="interactive",
+        ),
+        Outcome("batch", 200, 0.0, ttft_s=2.0, predicted_ttft_ms=2500, pool="offline"),
+        Outcome("batch", 429, 0.0),
+    ]
+    errors = prediction_errors(outcomes)
+    assert errors["interactive"]["ttft"] == [pytest.approx(50)]
+    assert errors["interactive"]["tpot"] == [pytest.approx(10)]
+    assert errors["offline"] == {"ttft": [pytest.approx(-500)], "tpot": []}
+    assert set(errors) == {"interactive", "offline"}
+
+
+def test_a_refused_stream_waits_its_retry_after_before_the_next_request() -> None:
+    """Against a real ASGI app that refuses every request with Retry-After: 2."""
+    arrivals: list[float] = []
+
+    async def refuse(scope, receive, send) -> None:  # noqa: ANN001 - the ASGI callables
+        arrivals.append(time.perf_counter())
+        await send({"type": "http.response.start", "status": 429,
+                    "headers": [(b"retry-after", b"2")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=refuse)
+        async with httpx.AsyncClient(transport=transport, base_url="http://bench") as http:
+            client = Client(http, {}, "m")
+            await closed_loop(client, ["interactive", "batch"], seconds=3.0)
+            assert {o.retry_after_s for o in client.outcomes} == {2.0}
+
+    asyncio.run(run())
+    assert len(arrivals) == 4  # at 0 and 2 s per stream (a 1 s retry would make 6)
