@@ -126,13 +126,15 @@ class Pool:
             configure_process(config)
         self._max_num_seqs = config.max_num_seqs
         self._engine: Engine | None = None
-        self._unavailable: str | None = None
+        self._student_wait_distills: bool | None = None
+        """None unless the replica waits for a student; then whether it distils one meanwhile."""
+        self._cache_dir = config.cache_dir
         self._load_error: BaseException | None = None
         factory = engine_cls or _default_engine_cls()
         try:
             self._engine = factory(config)
         except StudentMissing:
-            self._unavailable = waiting_reason(config.cache_dir, distill_if_missing)
+            self._student_wait_distills = distill_if_missing
             waiter = threading.Thread(
                 target=self._load_student,
                 args=(config, factory, distill_if_missing),
@@ -151,7 +153,7 @@ class Pool:
             log.exception("loading the distilled student failed")
             self._load_error = error
             return
-        self._unavailable = None
+        self._student_wait_distills = None
         log.warning("the distilled student is loaded: this pool now serves")
 
     async def generate(self, request: PoolRequest) -> AsyncIterator[RequestOutput]:
@@ -180,7 +182,7 @@ class Pool:
         """This replica's engine stats, for the ingress's pool monitor."""
         replica_id = serve.get_replica_context().replica_id.unique_id
         if self._engine is None:
-            return ReplicaStats(replica_id, None, 0, self._unavailable)
+            return ReplicaStats(replica_id, None, 0, self._unavailable())
         return ReplicaStats(replica_id, self._engine.stats(), self._engine.max_model_len)
 
     def check_health(self) -> None:
@@ -197,8 +199,15 @@ class Pool:
         """The engine; an error naming why when the replica has none yet (the ingress
         routes nothing here until it reports one, so only a race ends here)."""
         if self._engine is None:
-            raise RuntimeError(f"this pool is unavailable: {self._unavailable}")
+            raise RuntimeError(f"this pool is unavailable: {self._unavailable()}")
         return self._engine
+
+    def _unavailable(self) -> str | None:
+        """Why the replica cannot serve yet (None once it can), with the distillation's
+        progress when it runs one."""
+        if self._student_wait_distills is None:
+            return None
+        return waiting_reason(self._cache_dir, self._student_wait_distills)
 
     def record_routing_stats(self) -> dict[str, float]:
         """Read by the pool's request router (deployments/request_router.py) to rank replicas.

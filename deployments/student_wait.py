@@ -24,12 +24,31 @@ POLL_INTERVAL_S = 2.0
 """How often the cache is checked for a published student (a directory listing)."""
 
 
+PROGRESS_PREFIX = "distill: step "
+"""How the distillation's progress lines start (engine.distill.trainer)."""
+
+
 def waiting_reason(cache_dir: Path, distilling: bool) -> str:
-    """What the pool reports while it waits."""
-    if distilling:
-        log_file = _log_path(cache_dir)
-        return f"no distilled student yet: distilling in the background (log: {log_file})"
-    return "no distilled student yet: run `make distill` (or `tierserve distill`)"
+    """What the pool reports while it waits (read again at each report: a background
+    distillation's latest progress line says how far along it is)."""
+    if not distilling:
+        return "no distilled student yet: run `make distill` (or `tierserve distill`)"
+    log_file = _log_path(cache_dir)
+    reason = f"no distilled student yet: distilling in the background (log: {log_file})"
+    progress = latest_progress(log_file)
+    return f"{reason}; {progress}" if progress else reason
+
+
+def latest_progress(log_file: Path) -> str | None:
+    """The last progress line of a distillation's log (its tail only: the log grows)."""
+    try:
+        with open(log_file, "rb") as log_stream:
+            log_stream.seek(max(0, log_stream.seek(0, os.SEEK_END) - 4096))
+            tail = log_stream.read().decode(errors="replace").splitlines()
+    except FileNotFoundError:
+        return None
+    lines = [line.strip() for line in tail if line.strip().startswith(PROGRESS_PREFIX)]
+    return lines[-1].removeprefix("distill: ") if lines else None
 
 
 def wait_for_student(cache_dir: Path, distill: bool) -> None:
