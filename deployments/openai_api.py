@@ -19,9 +19,10 @@ from deployments.errors import bad_request
 from deployments.logprobs import chat_logprobs, completion_logprobs
 from deployments.request_fields import FieldRefused, served_fields
 from deployments.streaming import ChoiceProgress, usage
+from engine.grammar import parse
 from engine.model.chat import chat_prompt_ids
 from engine.outputs import RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GrammarSpec, SamplingParams
 
 
 def parse_body(schema: type[s.SamplingFields], body: Any) -> s.SamplingFields:
@@ -60,9 +61,23 @@ def sampling_params(body: s.SamplingFields, max_tokens: int) -> SamplingParams:
             ignore_eos=body.ignore_eos,
             logprobs=body.num_logprobs,
             prompt_logprobs=body.num_logprobs if body.echoed_prompts else None,
+            grammar=_grammar(body),
         )
     except ValueError as error:
         raise bad_request(str(error)) from None
+
+
+def _grammar(body: s.SamplingFields) -> GrammarSpec | None:
+    """The body's output grammar, parsed here so that one the library refuses is a 400
+    naming the field that sent it, before any pool sees it."""
+    if body.grammar is None:
+        return None
+    param, spec = body.grammar
+    try:
+        parse(spec)
+    except ValueError as error:
+        raise bad_request(f"{param}: {error}", param) from None
+    return spec
 
 
 def _check_sampling_token_ids(body: s.SamplingFields, vocab_size: int) -> None:

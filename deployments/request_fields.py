@@ -108,7 +108,6 @@ def _same(value: Any, allowed: Any) -> bool:
 
 _NOT_RENDERED = "is not rendered by the chat template: the model would never see it."
 _NO_TOOLS = "tool calling is not served yet; send no tools."
-_NO_GRAMMAR = "constrained decoding is not served yet; send no grammar."
 
 _TEXT_ONLY = "the models here read text only."
 
@@ -134,6 +133,16 @@ MESSAGE_FIELDS: FieldRules = {
     "audio": Refused(f"an assistant's audio {_NOT_RENDERED}"),
 }
 """The fields of one chat message (every role's)."""
+
+JSON_SCHEMA_FIELDS: FieldRules = dict.fromkeys(
+    ("name", "description", "schema", "strict"), Honoured()
+)
+"""The fields of `response_format.json_schema` (the schema itself is the grammar's)."""
+
+RESPONSE_FORMAT_FIELDS: FieldRules = {
+    "type": Honoured(),
+    "json_schema": Honoured(JSON_SCHEMA_FIELDS),
+}
 
 STREAM_OPTIONS_FIELDS: FieldRules = {
     "include_usage": Honoured(),
@@ -170,9 +179,9 @@ _SHARED_FIELDS: FieldRules = {
         Honoured(),
     ),
     "stream_options": Honoured(STREAM_OPTIONS_FIELDS),
-    **dict.fromkeys(
-        ("guided_json", "guided_regex", "guided_choice", "guided_grammar"), Refused(_NO_GRAMMAR)
-    ),
+    # Structured outputs: a grammar the engine's sampler enforces (engine/grammar.py)
+    "response_format": Honoured(RESPONSE_FORMAT_FIELDS),
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar"), Honoured()),
     "prompt_logprobs": Refused(
         "prompt log-probabilities come with echo and logprobs on /v1/completions."
     ),
@@ -184,9 +193,6 @@ CHAT_FIELDS: FieldRules = {
     "messages": Honoured(MESSAGE_FIELDS),
     "max_completion_tokens": Honoured(),
     "top_logprobs": Honoured(),
-    "response_format": Refused(
-        'structured outputs are not served yet; only {"type": "text"}.', (None, {"type": "text"})
-    ),
     "tools": Refused(_NO_TOOLS, (None, [])),
     "tool_choice": Refused(_NO_TOOLS, (None, "none")),
     "functions": Refused(_NO_TOOLS, (None, [])),

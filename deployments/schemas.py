@@ -3,7 +3,8 @@
 Requests carry, beside OpenAI's fields, the sampling extras that vLLM
 clients and benchmark tools send (`top_k`, `min_p`, `min_tokens`,
 `ignore_eos`, `repetition_penalty`, `stop_token_ids`,
-`include_stop_str_in_output`, `skip_special_tokens`) and tierserve's `tier`.
+`include_stop_str_in_output`, `skip_special_tokens`), the output grammars
+(`response_format`, vLLM's `guided_*`: one at most) and tierserve's `tier`.
 The schemas hold the fields tierserve honours and nothing else (extra fields
 are forbidden): deployments/request_fields.py classifies every field a client
 may send and refuses, before these models see the body, whatever is not
@@ -18,6 +19,7 @@ against the vocabulary by the endpoint that tokenizes (deployments/openai_api.py
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -29,6 +31,7 @@ from engine.sampling_params import (
     MAX_TOP_LOGPROBS,
     SEED_MAX,
     SEED_MIN,
+    GrammarSpec,
 )
 
 
@@ -82,6 +85,37 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """`response_format.json_schema`: OpenAI's named schema for structured outputs."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+    """No property beyond the schema's (OpenAI's default is false)."""
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON of a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with, and only with, type json_schema")
+        return self
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """The output grammar it asks for (none for text)."""
+        if self.json_schema is not None:
+            schema = json.dumps(self.json_schema.schema_)
+            return GrammarSpec("json_schema", schema, strict=bool(self.json_schema.strict))
+        return GrammarSpec("json_object") if self.type == "json_object" else None
+
+
 class SamplingFields(_Request):
     """Fields shared by chat and text completion requests."""
 
@@ -117,6 +151,42 @@ class SamplingFields(_Request):
     """OpenAI's id of the caller's end user: written to the request log."""
     max_tokens: int | None = Field(default=None, ge=1)
     """None means the rest of the context, as vLLM does."""
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    """vLLM's: a JSON schema, as an object or as JSON text."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
+    """vLLM's: an EBNF grammar (xgrammar's dialect)."""
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> SamplingFields:
+        asked = [param for param, _ in self._grammars()]
+        if len(asked) > 1:
+            raise ValueError(f"only one of {', '.join(asked)} may constrain the output")
+        return self
+
+    def _grammars(self) -> list[tuple[str, GrammarSpec]]:
+        """Each output grammar the body asks for, with the field that asks."""
+        guided_json = self.guided_json
+        if isinstance(guided_json, dict):
+            guided_json = json.dumps(guided_json)
+        asked = {
+            "response_format": self.response_format and self.response_format.grammar,
+            "guided_json": guided_json and GrammarSpec("json_schema", guided_json, strict=False),
+            "guided_regex": self.guided_regex and GrammarSpec("regex", self.guided_regex),
+            "guided_choice": self.guided_choice
+            and GrammarSpec("choice", json.dumps(self.guided_choice)),
+            "guided_grammar": self.guided_grammar and GrammarSpec("ebnf", self.guided_grammar),
+        }
+        return [(param, spec) for param, spec in asked.items() if spec]
+
+    @property
+    def grammar(self) -> tuple[str, GrammarSpec] | None:
+        """The grammar the output must follow and the field that asked for it (a 400 for a
+        grammar that cannot compile names it); None: free text."""
+        grammars = self._grammars()
+        return grammars[0] if grammars else None
 
     @property
     def requested_max_tokens(self) -> int | None:

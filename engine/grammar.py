@@ -35,6 +35,7 @@ _LOCATION = re.compile(r"^\[[^\]]*\] \S+:\d+: ")
 """xgrammar prefixes its errors with a time and a C++ source location."""
 
 
+@functools.lru_cache(maxsize=COMPILED_CACHE_SIZE)
 def parse(spec: GrammarSpec) -> xgr.Grammar:
     """The grammar of `spec`, without a tokenizer: cheap, so the ingress refuses a bad one
     with a 400 before any engine sees it. ValueError says what is wrong."""

@@ -8,6 +8,7 @@ line check call, without Ray.
 
 from __future__ import annotations
 
+import json
 import typing
 from types import ModuleType
 from typing import Any
@@ -34,6 +35,7 @@ from deployments.request_fields import (
     Refused,
 )
 from deployments.schemas import SamplingFields
+from engine.sampling_params import GrammarSpec
 
 CHAT = ChatEndpoint.schema
 COMPLETIONS = CompletionEndpoint.schema
@@ -45,7 +47,6 @@ ENDPOINTS: dict[str, tuple[type[SamplingFields], ModuleType, dict[str, Any]]] = 
 }
 
 REFUSING_VALUES: dict[str, Any] = {
-    "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
     "tool_choice": "required",
     "functions": [{"name": "f", "parameters": {}}],
@@ -293,3 +294,60 @@ def test_token_ids_past_the_vocabulary_are_400s_naming_the_field(name: str, toke
         with pytest.raises(ApiError) as caught:
             endpoint.prompt_ids(parse_body(schema, {**body, name: ids(vocab)}), tokenizer)
         assert_names(caught.value, name)
+
+
+# ---- structured outputs ------------------------------------------------------------------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("response_format", {"type": "json_object"}, GrammarSpec("json_object")),
+        (
+            "response_format",
+            {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}},
+            GrammarSpec("json_schema", json.dumps(PERSON), strict=True),
+        ),
+        ("guided_json", PERSON, GrammarSpec("json_schema", json.dumps(PERSON), strict=False)),
+        ("guided_json", json.dumps(PERSON), GrammarSpec("json_schema", json.dumps(PERSON), False)),
+        ("guided_regex", "[a-z]+", GrammarSpec("regex", "[a-z]+")),
+        ("guided_choice", ["yes", "no"], GrammarSpec("choice", '["yes", "no"]')),
+        ("guided_grammar", 'root ::= "a"', GrammarSpec("ebnf", 'root ::= "a"')),
+    ],
+)
+def test_grammar_fields_reach_the_engine_params(field: str, value: Any, expected: GrammarSpec):
+    for schema, _, body in ENDPOINTS.values():
+        assert sampling_params(parse_body(schema, {**body, field: value}), 16).grammar == expected
+    text = parse_body(CHAT, {**CHAT_BODY, "response_format": {"type": "text"}})
+    assert sampling_params(text, 16).grammar is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("guided_json", {"type": "strin"}, "Unsupported type"),
+        ("guided_regex", "[a-", "Unclosed"),
+        ("guided_grammar", "root ::= foo", "not defined"),
+        (
+            "response_format",
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}},
+            "Type should be a string",
+        ),
+    ],
+)
+def test_a_grammar_the_library_refuses_is_a_400_naming_the_field(field, value, reason):
+    body = parse_body(CHAT, {**CHAT_BODY, field: value})
+    with pytest.raises(ApiError) as caught:
+        sampling_params(body, 16)
+    assert_names(caught.value, field)
+    assert reason in caught.value.detail.message
+
+
+def test_one_grammar_at_a_time():
+    body = {**CHAT_BODY, "guided_regex": "a+", "response_format": {"type": "json_object"}}
+    error = refusal(CHAT, body)
+    assert error.status == 400 and "guided_regex" in error.detail.message
+    schema_without_format = {"type": "json_schema"}
+    assert refusal(CHAT, {**CHAT_BODY, "response_format": schema_without_format}).status == 400
