@@ -166,6 +166,16 @@ class Client:
             outcome.predicted_tpot_ms = _header_float(r.headers, "x-tierserve-predicted-tpot-ms")
             await _read_stream(r, outcome)
 
+    def met_slo(self, outcome: Outcome) -> bool:
+        """Admitted and within both of its tier's targets."""
+        tier = self.tiers[outcome.tier]
+        return (
+            outcome.status == 200
+            and outcome.ttft_s is not None
+            and outcome.ttft_s * 1000 <= tier.ttft_ms
+            and (outcome.tpot_s is None or outcome.tpot_s * 1000 <= tier.tpot_ms)
+        )
+
 
 def _header_float(headers: httpx.Headers, name: str) -> float | None:
     value = headers.get(name)
@@ -188,16 +198,6 @@ async def _read_stream(response: httpx.Response, outcome: Outcome) -> None:
         outcome.ttft_s = first_s - outcome.start_s
         if outcome.num_tokens > 1:
             outcome.tpot_s = (last_s - first_s) / (outcome.num_tokens - 1)
-
-    def met_slo(self, outcome: Outcome) -> bool:
-        """Admitted and within both of its tier's targets."""
-        tier = self.tiers[outcome.tier]
-        return (
-            outcome.status == 200
-            and outcome.ttft_s is not None
-            and outcome.ttft_s * 1000 <= tier.ttft_ms
-            and (outcome.tpot_s is None or outcome.tpot_s * 1000 <= tier.tpot_ms)
-        )
 
 
 async def closed_loop(client: Client, streams: Sequence[str], seconds: float) -> float:
@@ -396,15 +396,10 @@ def report(ours: dict[str, Any], shared: dict[str, Any], factor: float, out: Pat
         "requests",
         **extra,
     )
-    emit(
-        BENCH,
-        "ratio.output_tokens_per_s.overload.tierserve_vs_shared",
-        overloaded.tokens_per_s() / shared["overload"].tokens_per_s(),
-        "x",
-        tierserve=round(overloaded.tokens_per_s(), 1),
-        shared=round(shared["overload"].tokens_per_s(), 1),
-        **extra,
-    )
+    ours_tok_s, shared_tok_s = overloaded.tokens_per_s(), shared["overload"].tokens_per_s()
+    emit(BENCH, "ratio.output_tokens_per_s.overload.tierserve_vs_shared",
+         ours_tok_s / max(shared_tok_s, 1e-9), "x", tierserve=round(ours_tok_s, 1),
+         shared=round(shared_tok_s, 1), **extra)  # fmt: skip
     _report_protect(client, ours["protect"], extra)
     _report_load_sweep(ours["rates"], shared["rates"], extra)
     costs = ours["cost"]
@@ -425,43 +420,23 @@ def _report_protect(client: Client, windows: dict[str, Window], extra: dict) -> 
         for name in ("alone", "protect")
     }
     for q in (50, 95):
+        if not (tpots["alone"] and tpots["protect"]):
+            log("no interactive request streamed in the alone or protect window: no TPOT ratio")
+            break
         alone, beside = percentile(tpots["alone"], q), percentile(tpots["protect"], q)
-        emit(
-            BENCH,
-            f"ratio.interactive_tpot.protect_vs_alone.p{q}",
-            beside / alone,
-            "x",
-            protect_ms=round(beside * 1000, 1),
-            alone_ms=round(alone * 1000, 1),
-            n=len(tpots["protect"]),
-            **extra,
-        )
+        emit(BENCH, f"ratio.interactive_tpot.protect_vs_alone.p{q}", beside / alone, "x",
+             protect_ms=round(beside * 1000, 1), alone_ms=round(alone * 1000, 1),
+             n=len(tpots["protect"]), **extra)  # fmt: skip
     protected = windows["protect"].outcomes
-    emit(
-        BENCH,
-        "goodput.interactive.protect",
-        goodput(client, protected, "interactive"),
-        "share",
-        **extra,
-    )
-    emit(
-        BENCH,
-        "shed.interactive.protect",
-        sum(o.tier == "interactive" and o.status != 200 for o in protected),
-        "requests",
-        **extra,
-    )
-    with_load = windows["protect"].tokens_per_s("offline")
-    without = windows["no_interactive"].tokens_per_s("offline")
-    emit(
-        BENCH,
-        "ratio.offline_throughput.protect_vs_no_interactive",
-        with_load / without,
-        "x",
-        protect_tok_s=round(with_load, 1),
-        no_interactive_tok_s=round(without, 1),
-        **extra,
-    )
+    emit(BENCH, "goodput.interactive.protect", goodput(client, protected, "interactive"),
+         "share", **extra)  # fmt: skip
+    refused = sum(o.tier == "interactive" and o.status != 200 for o in protected)
+    emit(BENCH, "shed.interactive.protect", refused, "requests", **extra)
+    beside, without = (windows[n].tokens_per_s("offline") for n in ("protect", "no_interactive"))
+    if without > 0:
+        emit(BENCH, "ratio.offline_throughput.protect_vs_no_interactive", beside / without,
+             "x", protect_tok_s=round(beside, 1), no_interactive_tok_s=round(without, 1),
+             **extra)  # fmt: skip
 
 
 def _report_load_sweep(ours: dict[float, float], shared: dict[float, float], extra: dict) -> None:

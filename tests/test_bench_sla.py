@@ -5,6 +5,7 @@ hands to Serve, without a cluster or a model, so the benchmark cannot break unse
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -28,6 +29,8 @@ from load.bench_sla import (
     parse_args,
     prediction_errors,
     protect_streams,
+    report,
+    timed,
 )
 
 FACTOR = 2.5
@@ -152,3 +155,57 @@ def test_a_refused_stream_waits_its_retry_after_before_the_next_request() -> Non
 
     asyncio.run(run())
     assert len(arrivals) == 4  # at 0 and 2 s per stream (a 1 s retry would make 6)
+
+
+def _sse(chunks: list[dict]) -> bytes:
+    return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
+
+
+STREAM = _sse(
+    [{"choices": [{"delta": {"content": t}}]} for t in ("a", "b", "c")]
+    + [{"choices": [], "usage": {"completion_tokens": 3}}]
+)
+
+
+async def _serve_three_tokens(scope, receive, send) -> None:  # noqa: ANN001 - ASGI callables
+    """Streams three tokens from the pool its tier names, with both predictions, after a
+    millisecond's work (so every stream's worker gets its turn)."""
+    await asyncio.sleep(0.001)
+    tier = dict(scope["headers"])[b"x-sla-tier"]
+    pool = b"offline" if tier == b"batch" else b"interactive"
+    headers = [(b"x-tierserve-pool", pool), (b"x-tierserve-predicted-ttft-ms", b"5"),
+               (b"x-tierserve-predicted-tpot-ms", b"1.5")]  # fmt: skip
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": STREAM})
+
+
+def test_every_phase_reports_from_streamed_requests(
+    configured: TierserveConfig, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Streams parsed from a real ASGI app, then the whole report, as main runs it."""
+
+    async def run() -> dict:
+        transport = httpx.ASGITransport(app=_serve_three_tokens)
+        async with httpx.AsyncClient(transport=transport, base_url="http://bench") as http:
+            client = Client(http, {t.name: t for t in configured.tiers}, "m")
+            streams = protect_streams(["interactive", "batch"])
+            names = ("alone", "no_interactive", "protect", "overload")
+            windows = {name: await timed(client, streams, 0.2) for name in names}
+        rates, cost = {1.0: 1.0, 3.0: 0.5}, {"interactive": 1.0, "offline": 0.5}
+        protect = {name: windows[name] for name in names[:3]}
+        return {"client": client, "overload": windows["overload"], "protect": protect,
+                "rates": rates, "cost": cost}  # fmt: skip
+
+    ours = asyncio.run(run())
+    outcome = ours["overload"].outcomes[0]
+    assert outcome.num_tokens == 3 and outcome.predicted_tpot_ms == 1.5 and outcome.tpot_s
+    report(ours, {**ours, "protect": None}, FACTOR, tmp_path)
+    metrics = {json.loads(line)["metric"] for line in capsys.readouterr().out.splitlines()}
+    assert {
+        "ratio.interactive_tpot.protect_vs_alone.p50", "goodput.interactive.protect",
+        "ratio.interactive_tpot.protect_vs_alone.p95",
+        "ratio.offline_throughput.protect_vs_no_interactive",
+        "ratio.output_tokens_per_s.overload.tierserve_vs_shared", "prediction_error_ms.ttft.p50",
+        "prediction_error_ms.ttft.p95.offline", "prediction_error_ms.tpot.p50.interactive",
+        "goodput.interactive.overload", "goodput.interactive.tierserve_at_shared70",
+    } <= metrics  # fmt: skip
