@@ -26,11 +26,13 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
 )
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.config import EngineConfig, SpecDecodeConfig, default_cache_dir
 from engine.engine import LLMEngine
 from engine.model.args import ModelArgs
 from engine.model.loader import load_model, resolve_model_dir
+from engine.model.rotary import position_freqs
 
 MAX_TOKENS = 32
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -191,3 +193,16 @@ def test_unsupported_architecture_is_refused_by_name() -> None:
     config = {**SMALL, "model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]}
     with pytest.raises(ValueError, match="unsupported architecture 'gpt_neox'.*GPTNeoX"):
         ModelArgs.from_hf_config(config)
+
+
+def test_longrope_takes_the_long_factors_past_the_original_context() -> None:
+    """Where transformers' parity tests cannot reach (it switches a whole sequence once it
+    outgrows the pretraining context), each position has transformers' frequencies for
+    a sequence ending there, and its gain."""
+    config = ARCHITECTURES["phi3"]()
+    args = ModelArgs.from_hf_config(config.to_dict())
+    freqs, gain = position_freqs(args, config.max_position_embeddings)
+    for position in (0, 100, 255, 256, 300, 511):
+        inv_freq, their_gain = ROPE_INIT_FUNCTIONS["longrope"](config, seq_len=position + 1)
+        torch.testing.assert_close(freqs[position], position * inv_freq, rtol=1e-5, atol=1e-5)
+        assert gain == pytest.approx(their_gain)
