@@ -76,24 +76,30 @@ logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 from engine_helpers import TEST_ENGINE_CONFIG
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
-engine = AsyncLLMEngine(EngineConfig(**TEST_ENGINE_CONFIG, separate_process=True))
+config = EngineConfig(**TEST_ENGINE_CONFIG, separate_process=True, cpu_priority=sys.argv[3])
+engine = AsyncLLMEngine(config)
 print(engine.core._process.pid, flush=True)
 """
-"""A script that starts an engine in its own process and prints the child's pid; what
-follows it (if anything) decides how the script ends."""
+"""A script that starts an engine in its own process (at the CPU priority its third
+argument names) and prints the child's pid; what follows it (if anything) decides how the
+script ends."""
 
 
-def run_engine_script(ending: str) -> subprocess.CompletedProcess:
+def run_engine_script(ending: str, cpu_priority: str = "inherit") -> subprocess.CompletedProcess:
     """Run ENGINE_IN_A_SCRIPT then `ending` in a fresh interpreter."""
     tests_dir = Path(__file__).parent
+    script = ENGINE_IN_A_SCRIPT + ending
     return subprocess.run(
-        [sys.executable, "-c", ENGINE_IN_A_SCRIPT + ending, str(tests_dir.parent), str(tests_dir)],
+        [sys.executable, "-c", script, str(tests_dir.parent), str(tests_dir), cpu_priority],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 
 
-def test_the_child_exits_when_its_parent_is_killed():
-    parent = run_engine_script("os.kill(os.getpid(), 9)\n")
+@pytest.mark.parametrize("cpu_priority", ["inherit", "urgent"])
+def test_the_child_exits_when_its_parent_is_killed(cpu_priority: str):
+    """Also when it leads a session of its own (`urgent`): a kill of the parent's process
+    group would miss it, the closed pipe does not."""
+    parent = run_engine_script("os.kill(os.getpid(), 9)\n", cpu_priority)
     assert parent.returncode == -signal.SIGKILL, parent.stderr
     child_pid = int(parent.stdout.split()[0])
     assert wait_until(lambda: exited(child_pid)), "the engine process outlived its parent"
