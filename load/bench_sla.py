@@ -372,45 +372,42 @@ async def pool_costs(http: httpx.AsyncClient) -> dict[str, float]:
 
 
 def report(ours: dict[str, Any], shared: dict[str, Any], factor: float, out: Path) -> None:
-    """The JSON lines of BENCHMARKS.md's SLA section, and a goodput-vs-load plot."""
-    client: Client = ours["client"]
-    overloaded: Window = ours["overload"]
-    outcomes = overloaded.outcomes
+    """The JSON lines of BENCHMARKS.md's SLA section, a goodput-vs-load plot, and the
+    overload's and protect phase's requests one per line (for reading misses one by one)."""
     extra = {"slo_scale": round(factor, 2)}
-    for tier in TIERS:
-        emit(BENCH, f"goodput.{tier}.overload", goodput(client, outcomes, tier), "share", **extra)
-        shed = sum(o.tier == tier and o.status == 429 for o in outcomes)
-        emit(BENCH, f"shed.{tier}.overload", shed, "requests", **extra)
-        emit(
-            BENCH,
-            f"goodput.{tier}.overload.shared",
-            goodput(shared["client"], shared["overload"].outcomes, tier),
-            "share",
-            **extra,
-        )
-    refused = [o for o in outcomes if o.tier == "interactive" and o.status == 429]
-    emit(
-        BENCH,
-        "shed.interactive_while_batch_running",
-        sum(o.batch_running_at_refusal > 0 for o in refused),
-        "requests",
-        **extra,
-    )
-    ours_tok_s, shared_tok_s = overloaded.tokens_per_s(), shared["overload"].tokens_per_s()
-    emit(BENCH, "ratio.output_tokens_per_s.overload.tierserve_vs_shared",
-         ours_tok_s / max(shared_tok_s, 1e-9), "x", tierserve=round(ours_tok_s, 1),
-         shared=round(shared_tok_s, 1), **extra)  # fmt: skip
-    _report_protect(client, ours["protect"], extra)
+    _report_overload(ours, shared, extra)
+    _report_protect(ours["client"], ours["protect"], extra)
     _report_load_sweep(ours["rates"], shared["rates"], extra)
     costs = ours["cost"]
     if costs.get("interactive"):
         ratio = costs.get("offline", 0.0) / costs["interactive"]
         emit(BENCH, "ratio.cost_per_1k.offline_vs_interactive", ratio, "x", **extra, **costs)
-    _report_prediction_error(outcomes, extra)
+    _report_prediction_error(ours["overload"].outcomes, extra)
     _plot(ours["rates"], shared["rates"], out / "sla_goodput_vs_load.png")
-    with open(out / "sla_overload_requests.jsonl", "w") as f:  # for reading misses one by one
-        for outcome in outcomes:
-            f.write(json.dumps(dataclasses.asdict(outcome)) + "\n")
+    phases = {"overload": ours["overload"], **ours["protect"]}
+    for name, window in phases.items():
+        with open(out / f"sla_{name}_requests.jsonl", "w") as f:
+            for outcome in window.outcomes:
+                f.write(json.dumps(dataclasses.asdict(outcome)) + "\n")
+
+
+def _report_overload(ours: dict[str, Any], shared: dict[str, Any], extra: dict) -> None:
+    """Goodput and sheds per tier, against the shared pool's, and the tokens per second."""
+    client: Client = ours["client"]
+    outcomes, shared_outcomes = ours["overload"].outcomes, shared["overload"].outcomes
+    for tier in TIERS:
+        emit(BENCH, f"goodput.{tier}.overload", goodput(client, outcomes, tier), "share", **extra)
+        shed = sum(o.tier == tier and o.status == 429 for o in outcomes)
+        emit(BENCH, f"shed.{tier}.overload", shed, "requests", **extra)
+        emit(BENCH, f"goodput.{tier}.overload.shared",
+             goodput(shared["client"], shared_outcomes, tier), "share", **extra)  # fmt: skip
+    refused = [o for o in outcomes if o.tier == "interactive" and o.status == 429]
+    emit(BENCH, "shed.interactive_while_batch_running",
+         sum(o.batch_running_at_refusal > 0 for o in refused), "requests", **extra)  # fmt: skip
+    ours_tok_s, shared_tok_s = ours["overload"].tokens_per_s(), shared["overload"].tokens_per_s()
+    emit(BENCH, "ratio.output_tokens_per_s.overload.tierserve_vs_shared",
+         ours_tok_s / max(shared_tok_s, 1e-9), "x", tierserve=round(ours_tok_s, 1),
+         shared=round(shared_tok_s, 1), **extra)  # fmt: skip
 
 
 def _report_protect(client: Client, windows: dict[str, Window], extra: dict) -> None:

@@ -200,6 +200,8 @@ def test_every_phase_reports_from_streamed_requests(
     outcome = ours["overload"].outcomes[0]
     assert outcome.num_tokens == 3 and outcome.predicted_tpot_ms == 1.5 and outcome.tpot_s
     report(ours, {**ours, "protect": None}, FACTOR, tmp_path)
+    written = (tmp_path / "sla_protect_requests.jsonl").read_text().splitlines()
+    assert len(written) == len(ours["protect"]["protect"].outcomes)
     metrics = {json.loads(line)["metric"] for line in capsys.readouterr().out.splitlines()}
     assert {
         "ratio.interactive_tpot.protect_vs_alone.p50", "goodput.interactive.protect",
