@@ -106,12 +106,30 @@ class StepLayout:
     device: torch.device | str
     dtype: torch.dtype
 
+    def groups(self, in_place: bool, all_in_kernel: bool) -> list[Group]:
+        """Short queries in one group (the in-place kernel's where `in_place`), each longer
+        one in its own; `all_in_kernel`: every query is short."""
+        short_max = math.inf if in_place and all_in_kernel else SHORT_QUERY_MAX
+        short, long = self._split(short_max)
+        groups: list[Group] = []
+        if short:
+            groups.append(
+                _kernel_group(short, self.block_size, whole_batch=not long)
+                if in_place
+                else _group(short, self.block_size, self.dtype)
+            )
+        groups += [_group([s], self.block_size, self.dtype) for s in long]
+        return [g if isinstance(g, KernelGroup) else _to(g, self.device) for g in groups]
+
     def windowed_groups(self, window: int) -> list[Group]:
         """Padded groups in which each query sees only the last `window` positions."""
-        short = [s for s in self.seqs if s.q_len <= SHORT_QUERY_MAX]
-        long = [s for s in self.seqs if s.q_len > SHORT_QUERY_MAX]
+        short, long = self._split(SHORT_QUERY_MAX)
         batches = ([short] if short else []) + [[s] for s in long]
         return [_to(_group(b, self.block_size, self.dtype, window), self.device) for b in batches]
+
+    def _split(self, short_max: float) -> tuple[list[_Seq], list[_Seq]]:
+        short = [s for s in self.seqs if s.q_len <= short_max]
+        return short, [s for s in self.seqs if s.q_len > short_max]
 
 
 @dataclass(frozen=True)
@@ -121,7 +139,7 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] absolute position of each packed token
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
     groups: list[Group]
-    layout: StepLayout | None = None
+    layout: StepLayout
     _windowed: dict[int, list[Group]] = field(default_factory=dict, compare=False, repr=False)
 
     def groups_within(self, window: int | None) -> list[Group]:
@@ -129,7 +147,6 @@ class AttentionMetadata:
         if window is None:
             return self.groups
         if window not in self._windowed:
-            assert self.layout is not None, "metadata built without its layout"
             self._windowed[window] = self.layout.windowed_groups(window)
         return self._windowed[window]
 
@@ -156,23 +173,13 @@ class AttentionMetadata:
             torch.tensor(s.block_table)[pos // block_size] * block_size + pos % block_size
             for s, pos in zip(seqs, positions, strict=True)
         ]
+        layout = StepLayout(seqs, block_size, device, dtype)
         in_place = native_kernel and kernel_serves(device, dtype)
-        short_max = math.inf if in_place and all_in_kernel else SHORT_QUERY_MAX
-        short = [s for s in seqs if s.q_len <= short_max]
-        long = [s for s in seqs if s.q_len > short_max]
-        groups: list[AttentionGroup | KernelGroup] = []
-        if short:
-            groups.append(
-                _kernel_group(short, block_size, whole_batch=not long)
-                if in_place
-                else _group(short, block_size, dtype)
-            )
-        groups += [_group([s], block_size, dtype) for s in long]
         return cls(
             positions=torch.cat(positions).to(device),
             slot_mapping=torch.cat(slots).to(device),
-            groups=[g if isinstance(g, KernelGroup) else _to(g, device) for g in groups],
-            layout=StepLayout(seqs, block_size, device, dtype),
+            groups=layout.groups(in_place, all_in_kernel),
+            layout=layout,
         )
 
 
