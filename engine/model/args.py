@@ -71,6 +71,7 @@ class ModelArgs:
     sliding_window: int | None = None
     """Each query of a sliding layer sees this many positions, its own the last (Mistral)."""
     sliding_layers: tuple[int, ...] = ()
+    """The layers with that window: all of Mistral's, Gemma 3's local ones."""
     local_rope_theta: float | None = None
     """Sliding layers rotate with this base and no scaling (Gemma 3); None: as the others."""
 

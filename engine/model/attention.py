@@ -19,8 +19,9 @@ Sliding-window layers (Mistral, Gemma's local layers) see only the last `window`
 positions of each query's context. Their groups are derived once per step and
 window, on first use, from the same layout: padded SDPA groups whose mask also
 hides what lies behind the window (the in-place kernel has no lower bound, so
-their short queries are padded too). The cache keeps every position: a prefix hit
-reads the same blocks, and the window is a mask over them.
+their short queries are padded too, and a batch-invariant engine's promise does
+not cover these layers). The cache keeps every position: a prefix hit reads the
+same blocks, and the window is a mask over them.
 """
 
 from __future__ import annotations
