@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 from jinja2 import TemplateError
@@ -19,6 +19,7 @@ from deployments.errors import bad_request
 from deployments.logprobs import chat_logprobs, completion_logprobs
 from deployments.request_fields import FieldRefused, served_fields
 from deployments.streaming import ChoiceProgress, usage
+from deployments.tool_calls import CallDelta, ToolCallStream, call_id, parse_tool_calls
 from engine.grammar import parse
 from engine.model.chat import chat_prompt_ids
 from engine.outputs import RequestOutput, TokenLogprob
@@ -68,12 +69,14 @@ def sampling_params(body: s.SamplingFields, max_tokens: int) -> SamplingParams:
 
 
 def _grammar(body: s.SamplingFields) -> GrammarSpec | None:
-    """The body's output grammar, parsed here so that one the library refuses is a 400
-    naming the field that sent it, before any pool sees it."""
-    if body.grammar is None:
+    """The body's output grammar, built and parsed here so that one the library refuses is
+    a 400 naming the field that sent it, before any pool sees it."""
+    asked = body.grammar_params()
+    if not asked:
         return None
-    param, spec = body.grammar
+    param = asked[0]
     try:
+        spec = body.grammar_of(param)
         parse(spec)
     except ValueError as error:
         raise bad_request(f"{param}: {error}", param) from None
@@ -147,18 +150,26 @@ class Endpoint(ABC):
         """The whole response of a non-streamed request."""
 
 
+@dataclass(frozen=True)
 class ChatEndpoint(Endpoint):
-    """`/v1/chat/completions`: a conversation through the chat template."""
+    """`/v1/chat/completions`: a conversation through the chat template.
+
+    Outputs are read for tool calls in the model's format (deployments/tool_calls.py)
+    whatever the request: a request without tools (or with `tool_choice: none`) shows the
+    model none, so it has nothing to call.
+    """
 
     schema = s.ChatCompletionRequest
+    tool_streams: dict[int, ToolCallStream] = field(default_factory=dict, repr=False)
+    """Each streamed choice's text turned into content and call deltas, by index."""
 
     @staticmethod
     def _prompts(body: s.ChatCompletionRequest, tokenizer: Any) -> list[list[int]]:
-        """The conversation through the model's chat template; a template that refuses
-        the conversation (its `raise_exception`) is the client's 400."""
-        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        """The conversation, and the tools offered, through the model's chat template; a
+        template that refuses the conversation (its `raise_exception`) is the client's 400."""
+        messages = [m.template_turn() for m in body.messages]
         try:
-            return [chat_prompt_ids(tokenizer, messages)]
+            return [chat_prompt_ids(tokenizer, messages, body.offered_tools)]
         except TemplateError as error:
             raise bad_request(f"messages: {error}", "messages") from None
 
@@ -170,17 +181,20 @@ class ChatEndpoint(Endpoint):
         ]
 
     def delta(self, index: int, output: RequestOutput, choice: ChoiceProgress) -> BaseModel:
-        """A `chat.completion.chunk` with the choice's new content."""
+        """A `chat.completion.chunk` with the choice's new content and call deltas."""
         logprobs = None
         if self.with_logprobs:
             new_logprobs = output.new_logprobs or []
             logprobs = chat_logprobs(self.tokenizer, output.new_token_ids, new_logprobs)
+        stream = self.tool_streams.setdefault(index, ToolCallStream())
+        content, calls = stream.push(output.new_text, final=output.finished)
+        finish_reason = _finish_reason(output)
+        if finish_reason == "stop" and stream.num_calls:
+            finish_reason = "tool_calls"
+        delta = s.ChatDelta(content=content, tool_calls=[_call_delta(c) for c in calls] or None)
         return self._chunk(
             s.ChatChunkChoice(
-                index=index,
-                delta=s.ChatDelta(content=output.new_text),
-                logprobs=logprobs,
-                finish_reason=_finish_reason(output),
+                index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
             )
         )
 
@@ -196,20 +210,28 @@ class ChatEndpoint(Endpoint):
             id=self.response_id,
             created=self.created,
             model=self.model,
-            choices=[
-                s.ChatChoice(
-                    index=i,
-                    message=s.ChatResponseMessage(content=c.text),
-                    logprobs=(
-                        chat_logprobs(self.tokenizer, c.token_ids, c.logprobs)
-                        if self.with_logprobs
-                        else None
-                    ),
-                    finish_reason=c.finish_reason,
-                )
-                for i, c in enumerate(choices)
-            ],
+            choices=[self._choice(i, c) for i, c in enumerate(choices)],
             usage=usage(choices),
+        )
+
+    def _choice(self, index: int, choice: ChoiceProgress) -> s.ChatChoice:
+        """A finished choice: its text, or the calls it made (finish_reason tool_calls)."""
+        content, calls = parse_tool_calls(choice.text)
+        finish_reason = choice.finish_reason
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        tool_calls = [
+            s.ToolCall(id=call_id(), function=s.FunctionCall(name=c.name, arguments=c.arguments))
+            for c in calls
+        ]
+        logprobs = None
+        if self.with_logprobs:
+            logprobs = chat_logprobs(self.tokenizer, choice.token_ids, choice.logprobs)
+        return s.ChatChoice(
+            index=index,
+            message=s.ChatResponseMessage(content=content, tool_calls=tool_calls or None),
+            logprobs=logprobs,
+            finish_reason=finish_reason,
         )
 
     def _chunk(self, choice: s.ChatChunkChoice) -> s.ChatCompletionChunk:
@@ -318,6 +340,16 @@ class _Scored(NamedTuple):
             [*self.token_ids, *other.token_ids],
             [*self.logprobs, *other.logprobs],
         )
+
+
+def _call_delta(delta: CallDelta) -> s.ToolCallDelta:
+    """OpenAI's shape of a call delta: id, type and name in the call's first only."""
+    return s.ToolCallDelta(
+        index=delta.index,
+        id=delta.id,
+        type="function" if delta.id else None,
+        function=s.FunctionCallDelta(name=delta.name, arguments=delta.arguments),
+    )
 
 
 def _finish_reason(output: RequestOutput) -> str | None:

@@ -1,4 +1,4 @@
-"""Every request field, classified once: honoured, inert, or refused with a 400 naming it.
+"""Every request field, classified once: honoured, or refused with a 400 naming it.
 
 A client that sends a field expects it to mean something. OpenAI itself
 refuses arguments it does not recognise; an OpenAI-compatible server that
@@ -8,8 +8,6 @@ completion requests, and each extra that vLLM clients send, is in one of
 these tables:
 
 - `Honoured`: a field of the body schema (deployments/schemas.py), served.
-- `Inert`: accepted and dropped, because honouring it is trivially true
-  (`parallel_tool_calls`: without tools no call is made, in parallel or not).
 - `Refused`: a 400 naming the field, unless its value asks for nothing
   tierserve does not already do (null, an empty list, the default), in which
   case it is dropped.
@@ -37,13 +35,6 @@ class Honoured:
 
 
 @dataclass(frozen=True)
-class Inert:
-    """Accepted whatever its value and dropped: honouring it is trivially true."""
-
-    why: str
-
-
-@dataclass(frozen=True)
 class Refused:
     """Not served: any value but the `allowed` ones (which ask for nothing) is a 400."""
 
@@ -61,7 +52,7 @@ class Refused:
         return any(_same(value, allowed) for allowed in self.allowed)
 
 
-Rule: TypeAlias = Honoured | Inert | Refused
+Rule: TypeAlias = Honoured | Refused
 FieldRules: TypeAlias = Mapping[str, Rule]
 
 
@@ -74,7 +65,7 @@ class FieldRefused(ValueError):
 
 
 def served_fields(rules: FieldRules, body: Mapping[str, Any], path: str = "") -> dict[str, Any]:
-    """The body without its inert fields and harmless refused ones, every field checked
+    """The body without its harmless refused fields, every field checked
     against `rules`; FieldRefused names the first that asks for what is not served. Values
     of the wrong type are left to the schema to refuse."""
     served: dict[str, Any] = {}
@@ -107,7 +98,8 @@ def _same(value: Any, allowed: Any) -> bool:
 
 
 _NOT_RENDERED = "is not rendered by the chat template: the model would never see it."
-_NO_TOOLS = "tool calling is not served yet; send no tools."
+_NO_CUSTOM_TOOLS = "custom (free-text) tools are not served; send function tools."
+_NO_FUNCTIONS = "the deprecated functions API is not served; send tools and tool_choice."
 
 _TEXT_ONLY = "the models here read text only."
 
@@ -122,12 +114,32 @@ CONTENT_PART_FIELDS: FieldRules = {
 }
 """The fields of one part of a message's content."""
 
+FUNCTION_FIELDS: FieldRules = dict.fromkeys(
+    ("name", "description", "parameters", "strict"), Honoured()
+)
+"""The fields of a function tool's `function` (its parameters schema is the grammar's)."""
+
+TOOL_FIELDS: FieldRules = {
+    "type": Honoured(),
+    "function": Honoured(FUNCTION_FIELDS),
+    "custom": Refused(_NO_CUSTOM_TOOLS),
+}
+"""The fields of one of `tools`."""
+
+TOOL_CALL_FIELDS: FieldRules = {
+    "id": Honoured(),
+    "type": Honoured(),
+    "function": Honoured(),
+    "custom": Refused(_NO_CUSTOM_TOOLS),
+}
+"""The fields of one of an assistant message's `tool_calls`."""
+
 MESSAGE_FIELDS: FieldRules = {
     "role": Honoured(),
     "content": Honoured(CONTENT_PART_FIELDS),
     "name": Refused(f"a participant name {_NOT_RENDERED}"),
-    "tool_calls": Refused(f"an assistant's tool calls {_NOT_RENDERED}", (None, [])),
-    "tool_call_id": Refused(f"a tool result's call id {_NOT_RENDERED}"),
+    "tool_calls": Honoured(TOOL_CALL_FIELDS),
+    "tool_call_id": Honoured(),
     "function_call": Refused(f"an assistant's function call {_NOT_RENDERED}"),
     "refusal": Refused(f"an assistant's refusal {_NOT_RENDERED}"),
     "audio": Refused(f"an assistant's audio {_NOT_RENDERED}"),
@@ -193,11 +205,12 @@ CHAT_FIELDS: FieldRules = {
     "messages": Honoured(MESSAGE_FIELDS),
     "max_completion_tokens": Honoured(),
     "top_logprobs": Honoured(),
-    "tools": Refused(_NO_TOOLS, (None, [])),
-    "tool_choice": Refused(_NO_TOOLS, (None, "none")),
-    "functions": Refused(_NO_TOOLS, (None, [])),
-    "function_call": Refused(_NO_TOOLS, (None, "none")),
-    "parallel_tool_calls": Inert("without tools no call is made, in parallel or not"),
+    # Tool calling: deployments/tool_calls.py
+    "tools": Honoured(TOOL_FIELDS),
+    "tool_choice": Honoured(),
+    "parallel_tool_calls": Honoured(),
+    "functions": Refused(_NO_FUNCTIONS, (None, [])),
+    "function_call": Refused(_NO_FUNCTIONS, (None, "none")),
     "audio": Refused("audio output is not served; the models here write text."),
     "modalities": Refused('only text is served; send ["text"].', (None, ["text"])),
     "prediction": Refused("predicted outputs are not served."),

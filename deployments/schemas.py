@@ -25,6 +25,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from deployments.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldRules
+from deployments.tool_calls import forced_calls_grammar
 from engine.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_PENALTY,
@@ -161,32 +162,36 @@ class SamplingFields(_Request):
 
     @model_validator(mode="after")
     def _one_grammar(self) -> SamplingFields:
-        asked = [param for param, _ in self._grammars()]
+        asked = self.grammar_params()
         if len(asked) > 1:
             raise ValueError(f"only one of {', '.join(asked)} may constrain the output")
         return self
 
-    def _grammars(self) -> list[tuple[str, GrammarSpec]]:
-        """Each output grammar the body asks for, with the field that asks."""
-        guided_json = self.guided_json
-        if isinstance(guided_json, dict):
-            guided_json = json.dumps(guided_json)
+    def grammar_params(self) -> list[str]:
+        """The fields that ask for an output grammar (at most one passes validation)."""
         asked = {
-            "response_format": self.response_format and self.response_format.grammar,
-            "guided_json": guided_json and GrammarSpec("json_schema", guided_json, strict=False),
-            "guided_regex": self.guided_regex and GrammarSpec("regex", self.guided_regex),
-            "guided_choice": self.guided_choice
-            and GrammarSpec("choice", json.dumps(self.guided_choice)),
-            "guided_grammar": self.guided_grammar and GrammarSpec("ebnf", self.guided_grammar),
+            "response_format": self.response_format is not None
+            and self.response_format.type != "text",
+            "guided_json": self.guided_json is not None,
+            "guided_regex": self.guided_regex is not None,
+            "guided_choice": self.guided_choice is not None,
+            "guided_grammar": self.guided_grammar is not None,
         }
-        return [(param, spec) for param, spec in asked.items() if spec]
+        return [param for param, given in asked.items() if given]
 
-    @property
-    def grammar(self) -> tuple[str, GrammarSpec] | None:
-        """The grammar the output must follow and the field that asked for it (a 400 for a
-        grammar that cannot compile names it); None: free text."""
-        grammars = self._grammars()
-        return grammars[0] if grammars else None
+    def grammar_of(self, param: str) -> GrammarSpec:
+        """The grammar field `param` asks for (ValueError when it cannot be built)."""
+        if param == "response_format":
+            assert self.response_format is not None and self.response_format.grammar
+            return self.response_format.grammar
+        if param == "guided_json":
+            schema = self.guided_json
+            text = schema if isinstance(schema, str) else json.dumps(schema)
+            return GrammarSpec("json_schema", text, strict=False)
+        if param == "guided_choice":
+            return GrammarSpec("choice", json.dumps(self.guided_choice))
+        kind = "regex" if param == "guided_regex" else "ebnf"
+        return GrammarSpec(kind, getattr(self, param))
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -222,11 +227,39 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCallMessage(_Request):
+    """The function an assistant's earlier call named, and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallMessage(_Request):
+    """A call an assistant made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallMessage
+
+
 class ChatMessage(_Request):
     """One turn of the conversation."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[list[TextPart], BeforeValidator(_as_parts)] = Field(default_factory=list)
+    tool_calls: list[ToolCallMessage] | None = None
+    """An assistant's calls (rendered through the chat template)."""
+    tool_call_id: str | None = None
+    """Which call a `tool` turn answers."""
+
+    def template_turn(self) -> dict[str, Any]:
+        """The turn as chat templates read it (calls and call ids kept)."""
+        turn: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.tool_calls:
+            turn["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        return turn
 
     @property
     def text(self) -> str:
@@ -234,11 +267,43 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+class FunctionTool(_Request):
+    """A function the model may call: its name and its arguments' JSON schema."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    strict: bool | None = None
+    """Arguments are constrained to the schema whenever a call is forced, strict or not."""
+
+
+class Tool(_Request):
+    """OpenAI's function tool."""
+
+    type: Literal["function"]
+    function: FunctionTool
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """`tool_choice` naming the one function to call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`."""
 
     field_rules = CHAT_FIELDS
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """None: `auto` with tools, `none` without (OpenAI's defaults)."""
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = Field(default=None, ge=1)
     """OpenAI's newer name for max_tokens; wins when both are given."""
     logprobs: bool = False
@@ -250,6 +315,47 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+    @model_validator(mode="after")
+    def _choice_among_tools(self) -> ChatCompletionRequest:
+        names = [tool.function.name for tool in self.tools or ()]
+        if self.choice not in ("none", "auto") and not names:
+            raise ValueError("tool_choice requires tools")
+        if isinstance(self.choice, NamedToolChoice) and self.choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.choice.function.name!r}, not in tools")
+        return self
+
+    @property
+    def choice(self) -> str | NamedToolChoice:
+        """`tool_choice`, its default filled in."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the model is shown: none under `none`, so it is not invited to call
+        (vLLM's exclude_tools_when_tool_choice_none)."""
+        if not self.tools or self.choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def grammar_params(self) -> list[str]:
+        """The sampling fields' grammar fields, and `tool_choice` when it forces a call."""
+        forced = self.choice not in ("none", "auto")
+        return [*super().grammar_params(), *["tool_choice"] * forced]
+
+    def grammar_of(self, param: str) -> GrammarSpec:
+        """A forced call's grammar (`required`: any tool; a named function: that one)."""
+        if param != "tool_choice":
+            return super().grammar_of(param)
+        named = self.choice.function.name if isinstance(self.choice, NamedToolChoice) else None
+        functions = {
+            tool.function.name: tool.function.parameters
+            for tool in self.tools or ()
+            if named in (None, tool.function.name)
+        }
+        return forced_calls_grammar(functions, self.parallel_tool_calls)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -338,11 +444,43 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class FunctionCall(BaseModel):
+    """The function a call names and its arguments (JSON text)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One call of a finished chat choice."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionCallDelta(BaseModel):
+    """The name (once) or a piece of the arguments of a streamed call."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """What one chunk adds to call `index`: its id, type and name first, then arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     """What one chat chunk adds to a choice."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -374,7 +512,8 @@ class ChatResponseMessage(BaseModel):
     """The assistant message of a finished chat choice."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -61,6 +61,14 @@ def _parse(spec: GrammarSpec) -> xgr.Grammar:
     return xgr.Grammar.from_ebnf(spec.source)
 
 
+def json_schema_ebnf(schema: str, rule: str) -> str:
+    """EBNF rules of a JSON schema's (compact, strict) grammar, its root named `rule`: a
+    piece of a larger EBNF grammar (a tool call's JSON between its tags). ValueError when
+    the schema is refused."""
+    spec = GrammarSpec("json_schema", schema, strict=True)
+    return re.sub(r"^root ::=", f"{rule} ::=", str(parse(spec)), flags=re.MULTILINE)
+
+
 def _choices_ebnf(source: str) -> str:
     """`root ::= "a" | "b"`: one alternative per string (JSON escapes are EBNF's too)."""
     choices = json.loads(source)

@@ -31,7 +31,6 @@ from deployments.request_fields import (
     STREAM_OPTIONS_FIELDS,
     FieldRules,
     Honoured,
-    Inert,
     Refused,
 )
 from deployments.schemas import SamplingFields
@@ -202,15 +201,6 @@ def test_refused_stream_option_is_a_400_naming_it():
     assert_names(refusal(CHAT, body), "stream_options.include_obfuscation")
     body["stream_options"] = {"include_usage": True, "include_obfuscation": False}
     assert parse_body(CHAT, body).include_usage_chunk
-
-
-def test_inert_fields_are_accepted_whatever_their_value():
-    inert = [name for name, rule in CHAT.field_rules.items() if isinstance(rule, Inert)]
-    assert inert == ["parallel_tool_calls"]
-    for value in (True, False):
-        assert parse_body(CHAT, {**CHAT_BODY, "parallel_tool_calls": value}) == parse_body(
-            CHAT, CHAT_BODY
-        )
 
 
 @pytest.mark.parametrize("endpoint", list(ENDPOINTS))
