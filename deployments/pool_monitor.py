@@ -4,7 +4,9 @@ Sequences in flight are tracked here, exact and instant (priority, prompt
 length, tokens so far), so placement reacts to a burst before the next poll.
 Engine stats are polled from every replica: the fitted step cost that turns
 that work into predicted latencies (policies/latency.py), KV usage and queue
-for metrics, and the live replica count that sizes a pool's capacity.
+for metrics, and the live replica count that sizes a pool's capacity. What
+finished requests measured against their predictions corrects the next ones
+(`learn`, policies/prediction_feedback.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from deployments.calls import within
 from deployments.config import PoolConfig
 from deployments.pool import ReplicaStats
 from engine.outputs import EngineStats
-from policies.latency import InFlight, PoolState, StepCost
+from policies.latency import InFlight, PoolState, Prediction, StepCost
+from policies.prediction_feedback import PredictionFeedback
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,7 @@ class PoolMonitor:
         self._replicas: dict[str, dict[str, _Seen]] = {name: {} for name in pools}
         self._max_model_len: dict[str, int] = {}
         self._unavailable: dict[str, str] = {}
+        self._feedback = PredictionFeedback()
         self.replica_seconds = dict.fromkeys(pools, 0.0)
         """Replica time spent so far per pool: the basis of the cost metric."""
 
@@ -89,6 +93,7 @@ class PoolMonitor:
         """The pool now, as placement reads it (policies/latency.py)."""
         config = self._pools[pool]
         stats = self.replica_stats(pool)
+        factors = self._feedback.factors(pool)
         return PoolState(
             name=pool,
             num_replicas=len(stats),
@@ -99,7 +104,19 @@ class PoolMonitor:
             max_queued=config.max_queued_requests,
             cost_per_1k_tokens=config.estimated_cost_per_1k_tokens,
             max_request_tokens=config.max_request_tokens,
+            ttft_factor=factors["ttft"],
+            tpot_factor=factors["tpot"],
         )
+
+    def learn(
+        self, pool: str, predicted: Prediction, ttft_s: float | None, tpot_s: float | None
+    ) -> None:
+        """A finished request's measured TTFT and TPOT (None: not measured) against what it
+        was placed on, to correct the pool's next predictions."""
+        if ttft_s is not None:
+            self._feedback.learn(pool, "ttft", predicted.ttft_s, ttft_s)
+        if tpot_s is not None:
+            self._feedback.learn(pool, "tpot", predicted.tpot_s, tpot_s)
 
     def states(self) -> dict[str, PoolState]:
         """Every pool's state."""

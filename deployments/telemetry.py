@@ -35,6 +35,7 @@ request_log = logging.getLogger("ray.serve.tierserve.requests")
 under the Ray session's logs/serve/) applies to the per-request lines."""
 
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 25.6, 60.0)
+_PREDICTION_ERROR_BUCKETS_MS = (1, 2.5, 5, 10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400)
 _TOKEN_BUCKETS_S = (0.005, 0.01, 0.02, 0.025, 0.04, 0.06, 0.08, 0.1, 0.2, 0.4, 0.8, 1.6)
 
 
@@ -124,6 +125,12 @@ class Telemetry:
             "(pinned, not_routed, small_unavailable, easy, hard).",
             ["tier", "model", "reason"], registry=r,
         )  # fmt: skip
+        self._prediction_error = Histogram(
+            "tierserve:prediction_error_ms", "|measured - predicted| of completed requests' "
+            "TTFT and TPOT, by pool and metric: how far placement's latency model is off.",
+            ["pool", "metric"], buckets=_PREDICTION_ERROR_BUCKETS_MS, registry=r,
+        )  # fmt: skip
+        self._monitor = monitor
         self._output_tokens_by_pool = dict.fromkeys(pools, 0)
         r.register(_EngineCollector(model_name, pools, monitor, self._output_tokens_by_pool))
 
@@ -183,6 +190,22 @@ class Telemetry:
             self._slo_checked.labels(*labels).inc()
             if meets_slo(record.tier, ttft_s, choice.tpot_s):
                 self._slo_met.labels(*labels).inc()
+            self._check_prediction(record, ttft_s, choice.tpot_s)
+
+    def _check_prediction(self, record: RequestRecord, ttft_s: float, tpot_s: float | None) -> None:
+        """A completed request's latency against its placement's prediction: the error
+        histogram, and the pool's correction (PoolMonitor.learn)."""
+        prediction = record.placement.prediction if record.placement else None
+        if prediction is None:
+            return
+        self._prediction_error.labels(record.pool, "ttft").observe(
+            abs(ttft_s - prediction.ttft_s) * 1000
+        )
+        if tpot_s is not None:
+            self._prediction_error.labels(record.pool, "tpot").observe(
+                abs(tpot_s - prediction.tpot_s) * 1000
+            )
+        self._monitor.learn(record.pool, prediction, ttft_s, tpot_s)
 
 
 def _log_fields(record: RequestRecord, model: str) -> dict[str, object]:

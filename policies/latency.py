@@ -20,6 +20,10 @@ each engine (engine/step_cost.py). Work spreads evenly over replicas.
     TTFT        = slot wait + prefill
     TPOT        = one decode step at the batch the request will run in; with a
                   target, less urgent sequences join only up to it
+
+Both are then multiplied by the pool's correction factors, learned from what its
+requests measured against these predictions (policies/prediction_feedback.py):
+what the model cannot see (other pools on the same cores, the proxy's queue).
 """
 
 from __future__ import annotations
@@ -75,6 +79,10 @@ class PoolState:
     """What the pool's output costs: the cheaper of two pools that meet an SLO wins."""
     max_request_tokens: int | None = None
     """Prompt + max_tokens above which the pool takes no request (None: no limit)."""
+    ttft_factor: float = 1.0
+    """Measured TTFT over predicted, learned (policies/prediction_feedback.py)."""
+    tpot_factor: float = 1.0
+    """Measured TPOT over predicted, likewise."""
 
     @property
     def num_slots(self) -> int:
@@ -107,7 +115,11 @@ def predict(
     prefill_tokens = num_prompt_tokens + sum(s.num_prompt_tokens for s in ahead if not s.prefilled)
     tokens_per_replica = math.ceil(prefill_tokens / max(1, pool.num_replicas))
     prefill_s = _prefill_s(pool, tokens_per_replica, first_batch, batch)
-    return Prediction(ttft_s=wait_s + prefill_s, tpot_s=tpot_s, num_ahead=len(ahead))
+    return Prediction(
+        ttft_s=(wait_s + prefill_s) * pool.ttft_factor,
+        tpot_s=tpot_s * pool.tpot_factor,
+        num_ahead=len(ahead),
+    )
 
 
 def drain_s(pool: PoolState, num_sequences: int) -> float:
