@@ -7,6 +7,7 @@ in about a minute. Counts are checked against the real tokenizer.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ from dataclasses import replace
 
 import httpx
 import openai
+import pydantic
 import pytest
 from serve_harness import metric, serving, wait_for_metric
 
@@ -280,3 +282,88 @@ def test_token_id_prompts_answer_as_their_text_does(
     too_big = {"model": MODEL, "prompt": [len(tokenizer)], "max_tokens": 1}
     response = httpx.post(f"{base_url}/v1/completions", json=too_big, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+
+
+# ---- structured outputs and tool calls through the server (issue 29) ---------------------
+
+
+class City(pydantic.BaseModel):
+    """What `chat.completions.parse` turns into a strict json_schema response_format."""
+
+    name: str
+    population: int
+    coastal: bool
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("tier", ["interactive", "batch"])
+def test_parse_with_a_pydantic_model_answers_in_its_schema(client: openai.OpenAI, tier) -> None:
+    """The openai client's structured outputs, unchanged, on the speculating pool and on the
+    other; sampled at temperature 1.0."""
+    completion = client.chat.completions.parse(
+        model=MODEL, messages=QUESTION, response_format=City, temperature=1.0, seed=3,
+        max_tokens=80, extra_headers={"X-SLA-Tier": tier},
+    )  # fmt: skip
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, City)
+
+
+def test_json_schema_streamed_validates(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 30}}}
+    stream = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=1.0, seed=4, max_tokens=60, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert isinstance(json.loads(text).get("answer", ""), str)
+
+
+def test_a_schema_the_library_refuses_is_a_400_naming_the_field(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=5,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "x", "schema": {"type": "strin"}}},
+        )  # fmt: skip
+    assert caught.value.body["param"] == "response_format"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_tool_call_comes_back_in_openais_shape(client: openai.OpenAI, stream) -> None:
+    asked = dict(
+        model=MODEL, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice="required",
+        parallel_tool_calls=False, temperature=0, max_tokens=60,
+    )  # fmt: skip
+    if stream:
+        calls: dict[int, dict[str, str]] = {}
+        finish_reason = None
+        for chunk in client.chat.completions.create(stream=True, **asked):
+            for delta in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
+                call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+            finish_reason = chunk.choices[0].finish_reason if chunk.choices else finish_reason
+        assert finish_reason == "tool_calls"
+        assert [call["name"] for call in calls.values()] == ["get_weather"]
+        assert isinstance(json.loads(calls[0]["arguments"])["city"], str)
+        return
+    choice = client.chat.completions.create(**asked).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
