@@ -93,7 +93,6 @@ class PoolMonitor:
         """The pool now, as placement reads it (policies/latency.py)."""
         config = self._pools[pool]
         stats = self.replica_stats(pool)
-        factors = self._feedback.factors(pool)
         return PoolState(
             name=pool,
             num_replicas=len(stats),
@@ -104,19 +103,23 @@ class PoolMonitor:
             max_queued=config.max_queued_requests,
             cost_per_1k_tokens=config.estimated_cost_per_1k_tokens,
             max_request_tokens=config.max_request_tokens,
-            ttft_factor=factors["ttft"],
-            tpot_factor=factors["tpot"],
+            corrections=self._feedback.corrections(pool),
         )
 
     def learn(
-        self, pool: str, predicted: Prediction, ttft_s: float | None, tpot_s: float | None
+        self,
+        pool: str,
+        priority: int,
+        predicted: Prediction,
+        measured: tuple[float | None, float | None],
     ) -> None:
-        """A finished request's measured TTFT and TPOT (None: not measured) against what it
-        was placed on, to correct the pool's next predictions."""
-        if ttft_s is not None:
-            self._feedback.learn(pool, "ttft", predicted.ttft_s, ttft_s)
-        if tpot_s is not None:
-            self._feedback.learn(pool, "tpot", predicted.tpot_s, tpot_s)
+        """A finished request's measured (TTFT, TPOT) (None: not measured) against what it
+        was placed on, to correct the next predictions for its pool and priority."""
+        for metric, predicted_s, measured_s in zip(
+            ("ttft", "tpot"), (predicted.ttft_s, predicted.tpot_s), measured, strict=True
+        ):
+            if measured_s is not None:
+                self._feedback.learn(pool, priority, metric, predicted_s, measured_s)
 
     def states(self) -> dict[str, PoolState]:
         """Every pool's state."""

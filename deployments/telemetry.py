@@ -205,7 +205,7 @@ class Telemetry:
             self._prediction_error.labels(record.pool, "tpot").observe(
                 abs(tpot_s - prediction.tpot_s) * 1000
             )
-        self._monitor.learn(record.pool, prediction, ttft_s, tpot_s)
+        self._monitor.learn(record.pool, record.tier.priority, prediction, (ttft_s, tpot_s))
 
 
 def _log_fields(record: RequestRecord, model: str) -> dict[str, object]:

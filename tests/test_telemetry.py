@@ -139,6 +139,7 @@ def test_a_completed_request_measures_its_prediction_and_corrects_the_next() -> 
     error_sums = _samples(telemetry, "tierserve:prediction_error_ms_sum")
     assert error_sums[(("metric", "ttft"), ("pool", "fast"))] == pytest.approx(600.0)
     assert error_sums[(("metric", "tpot"), ("pool", "fast"))] == pytest.approx(0.0, abs=1e-6)
-    after = monitor.state("fast")
-    assert after.ttft_factor > before.ttft_factor == 1.0  # measured 4x the prediction
-    assert after.tpot_factor == pytest.approx(1.0)
+    assert before.corrections == {}
+    (correction,) = monitor.state("fast").corrections.values()
+    assert correction.ttft > 1.0  # measured 4x the prediction
+    assert correction.tpot == pytest.approx(1.0)
