@@ -4,9 +4,7 @@ Sequences in flight are tracked here, exact and instant (priority, prompt
 length, tokens so far), so placement reacts to a burst before the next poll.
 Engine stats are polled from every replica: the fitted step cost that turns
 that work into predicted latencies (policies/latency.py), KV usage and queue
-for metrics, and the live replica count that sizes a pool's capacity. What
-finished requests measured against their predictions corrects the next ones
-(`learn`, policies/prediction_feedback.py).
+for metrics, and the live replica count that sizes a pool's capacity.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ from deployments.calls import within
 from deployments.config import PoolConfig
 from deployments.pool import ReplicaStats
 from engine.outputs import EngineStats
-from policies.latency import InFlight, PoolState, Prediction, StepCost
-from policies.prediction_feedback import PredictionFeedback
+from policies.latency import InFlight, PoolState, StepCost
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +68,6 @@ class PoolMonitor:
         self._replicas: dict[str, dict[str, _Seen]] = {name: {} for name in pools}
         self._max_model_len: dict[str, int] = {}
         self._unavailable: dict[str, str] = {}
-        self._feedback = PredictionFeedback()
         self.replica_seconds = dict.fromkeys(pools, 0.0)
         """Replica time spent so far per pool: the basis of the cost metric."""
 
@@ -103,23 +99,7 @@ class PoolMonitor:
             max_queued=config.max_queued_requests,
             cost_per_1k_tokens=config.estimated_cost_per_1k_tokens,
             max_request_tokens=config.max_request_tokens,
-            corrections=self._feedback.corrections(pool),
         )
-
-    def learn(
-        self,
-        pool: str,
-        priority: int,
-        predicted: Prediction,
-        measured: tuple[float | None, float | None],
-    ) -> None:
-        """A finished request's measured (TTFT, TPOT) (None: not measured) against what it
-        was placed on, to correct the next predictions for its pool and priority."""
-        for metric, predicted_s, measured_s in zip(
-            ("ttft", "tpot"), (predicted.ttft_s, predicted.tpot_s), measured, strict=True
-        ):
-            if measured_s is not None:
-                self._feedback.learn(pool, priority, metric, predicted_s, measured_s)
 
     def states(self) -> dict[str, PoolState]:
         """Every pool's state."""

@@ -516,7 +516,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--config", type=Path, default=Path("configs/local.yaml"))
-    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--out", type=Path, default=Path("load_results"))
     return parser.parse_args(argv)
 
 

@@ -20,21 +20,14 @@ each engine (engine/step_cost.py). Work spreads evenly over replicas.
     TTFT        = slot wait + prefill
     TPOT        = one decode step at the batch the request will run in; with a
                   target, less urgent sequences join only up to it
-
-Both are then multiplied by the pool's correction factors for the request's
-priority, learned from what such requests measured against these predictions
-(policies/prediction_feedback.py): what the model cannot see (other pools on the
-same cores, the proxy's queue).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-
-from policies.prediction_feedback import Correction
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -82,8 +75,6 @@ class PoolState:
     """What the pool's output costs: the cheaper of two pools that meet an SLO wins."""
     max_request_tokens: int | None = None
     """Prompt + max_tokens above which the pool takes no request (None: no limit)."""
-    corrections: Mapping[int, Correction] = field(default_factory=dict)
-    """Measured over predicted, by priority (policies/prediction_feedback.py)."""
 
     @property
     def num_slots(self) -> int:
@@ -116,12 +107,7 @@ def predict(
     prefill_tokens = num_prompt_tokens + sum(s.num_prompt_tokens for s in ahead if not s.prefilled)
     tokens_per_replica = math.ceil(prefill_tokens / max(1, pool.num_replicas))
     prefill_s = _prefill_s(pool, tokens_per_replica, first_batch, batch)
-    correction = pool.corrections.get(priority, Correction())
-    return Prediction(
-        ttft_s=(wait_s + prefill_s) * correction.ttft,
-        tpot_s=tpot_s * correction.tpot,
-        num_ahead=len(ahead),
-    )
+    return Prediction(ttft_s=wait_s + prefill_s, tpot_s=tpot_s, num_ahead=len(ahead))
 
 
 def drain_s(pool: PoolState, num_sequences: int) -> float:
