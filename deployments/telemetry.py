@@ -319,6 +319,7 @@ class _EngineCollector(Collector):
     ) -> None:
         self._model_name = model_name
         self._pools = pools
+        self._monitor = monitor
         self._output_tokens_by_pool = output_tokens_by_pool
 
     def collect(self) -> Iterator[Metric]:
