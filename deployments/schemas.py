@@ -32,6 +32,7 @@ from engine.sampling_params import (
     MAX_TOP_LOGPROBS,
     SEED_MAX,
     SEED_MIN,
+    GrammarKind,
     GrammarSpec,
 )
 
@@ -190,7 +191,7 @@ class SamplingFields(_Request):
             return GrammarSpec("json_schema", text, strict=False)
         if param == "guided_choice":
             return GrammarSpec("choice", json.dumps(self.guided_choice))
-        kind = "regex" if param == "guided_regex" else "ebnf"
+        kind: GrammarKind = "regex" if param == "guided_regex" else "ebnf"
         return GrammarSpec(kind, getattr(self, param))
 
     @property

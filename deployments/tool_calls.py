@@ -121,7 +121,7 @@ class ToolCallStream:
         """The content and the call deltas that `new_text` completes (all that is left
         when `final`)."""
         self.text += new_text
-        content, deltas = "", []
+        content, deltas = "", list[CallDelta]()
         while True:
             if self.arguments_start is None:
                 content += self._content(final)

@@ -23,6 +23,9 @@ FAKE_NUM_DRAFTS = 10
 class FakeTokenizer:
     """One token per character: counts are easy to predict in tests."""
 
+    chat_template = "<role>content"
+    """Renders roles and contents only, as the default model's does (tools in Hermes text)."""
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """One id per character."""
         return [ord(c) for c in text]
@@ -36,7 +39,11 @@ class FakeTokenizer:
         return 0x110000
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool
+        self,
+        messages: list[dict[str, str]],
+        tokenize: bool,
+        add_generation_prompt: bool,
+        tools: list[dict] | None = None,
     ) -> str:
         """Roles as tags, the assistant turn opened."""
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"

@@ -187,7 +187,7 @@ def test_still_serving_after_the_fuzz(base_url: str) -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("tools", [{"type": "function", "function": {"name": "f"}}]), ("unknown_field", 1)],
+    [("functions", [{"name": "f", "parameters": {}}]), ("unknown_field", 1)],
 )
 def test_a_field_not_honoured_is_a_400_naming_it_over_http(
     base_url: str, field: str, value: Any

@@ -49,7 +49,10 @@ def chat_prompt_ids(
     if not _renders_tools(tokenizer):
         turns, tools = hermes_turns(turns, tools), None
     text = tokenizer.apply_chat_template(
-        turns, tools=list(tools) if tools else None, tokenize=False, add_generation_prompt=True
+        turns,
+        tools=[dict(tool) for tool in tools] if tools else None,
+        tokenize=False,
+        add_generation_prompt=True,
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
 
