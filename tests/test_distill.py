@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
 from engine.distill.batches import make_batches
+from engine.distill.card import weights_digest
 from engine.distill.registry import (
     CARD_FILE,
     STUDENT_MODEL,
@@ -20,10 +21,9 @@ from engine.distill.registry import (
     next_student_dir,
     student_versions,
 )
+from engine.distill.run import distill
 from engine.distill.student import init_student
 from engine.distill.teacher import Example
-from engine.distill.card import weights_digest
-from engine.distill.run import distill
 from engine.distill.trainer import CHECKPOINT_FILE, TrainSettings, evaluate, train
 from engine.engine import LLMEngine
 from engine.model.chat import chat_prompt_ids

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import QuantConfig
+from engine.model.args import MoEArgs
 from engine.model.llama import LlamaForCausalLM, ModelArgs
 from engine.quant import awq, maths
 from engine.quant import checkpoint as quant_checkpoint
@@ -79,6 +81,18 @@ def test_quantize_model_swaps_every_linear_but_lm_head() -> None:
     assert linears == ["lm_head"]
     assert model.lm_head.weight is model.embed_tokens.weight
     assert isinstance(model.layers[0].mlp.down_proj, quant.Int4Linear)
+
+
+def test_moe_routers_stay_unquantized_and_their_experts_do_not() -> None:
+    torch.manual_seed(0)
+    moe = MoEArgs(num_experts=4, num_experts_per_tok=2, intermediate_size=128,
+                  norm_topk_prob=True, layers=(0, 1), shared_intermediate_size=64)  # fmt: skip
+    model = quantize_model(LlamaForCausalLM(replace(TINY, moe=moe)).eval(), QuantConfig("int8"))
+    linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert linears == {"lm_head"} | {
+        f"layers.{i}.mlp.{router}" for i in (0, 1) for router in quant.ROUTER_LAYERS
+    }
+    assert isinstance(model.layers[0].mlp.experts[3].down_proj, quant.Int8Linear)
 
 
 def test_quantize_lm_head_when_asked() -> None:
