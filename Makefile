@@ -32,7 +32,7 @@ test: install
 	$(PY) -m pytest
 
 lint: install
-	$(VENV)/bin/ruff check engine app deployments policies tests load
+	$(VENV)/bin/ruff check engine policies serving small_model cli bench testing tests
 
 # The image configs/kuberay/rayservice.yaml names (see the Dockerfile for GPU builds).
 IMAGE ?= tierserve:latest

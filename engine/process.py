@@ -41,7 +41,7 @@ def apply_cpu_priority(priority: str) -> None:
     Linux with autogroup on (the default on desktop and VM kernels, on here) shares the
     CPU between sessions first and by nice value only inside one: Ray starts every worker
     at nice 15 in one session, so a nice value alone would decide nothing against a
-    client. Measured with load/bench_colocation.py (an interactive engine at batch 2
+    client. Measured with bench/serving/bench_colocation.py (an interactive engine at batch 2
     beside an offline one at 48 sequences, each one thread, and half a core of Serve
     work in Ray's session): TPOT p50/p95 1.51x/2.75x alone as started, 1.00x/0.93x
     urgent. The offline engine then still took all that was left (82 tok/s, 0.50x

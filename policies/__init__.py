@@ -1,1 +1,7 @@
-"""Pure request policies: tiers, routing, admission and rate limits (no Ray, no torch)."""
+"""Pure request policies on the hot path: tiers, placement, latency prediction,
+replica choice, scaling, rate limits, model routing.
+
+Plain functions over plain data, so they are unit-tested without a cluster and
+cheap to call per request. May import: the standard library and numpy only.
+Never torch, Ray, or any other tierserve package.
+"""

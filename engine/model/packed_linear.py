@@ -3,7 +3,7 @@
 `F.linear` re-reads a weight in its plain layout on every call; oneDNN can
 instead take a weight reordered ahead of time into its blocked layout. In bf16
 that made the model's matmuls 1.2-1.5x faster at every batch size from 1 to
-512 (load/bench_engine.py profiles a step), with bit-identical results. In
+512 (bench/engine/bench_engine.py profiles a step), with bit-identical results. In
 fp32 (on CPUs without fast bf16) it was as fast as MKL at one row and up to
 1.8x faster at many (the 49k-wide output head most), and, unlike MKL, each
 row's result does not depend on how many rows share the call: the batch

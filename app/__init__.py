@@ -1,1 +1,0 @@
-"""tierserve's application layer: config models, OpenAI schemas and the Serve app builder."""

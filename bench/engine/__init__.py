@@ -1,0 +1,1 @@
+"""Engine benchmarks: throughput, latency, quantization, speculation, prefill, peers."""

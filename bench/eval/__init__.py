@@ -1,0 +1,1 @@
+"""Quality evaluation: the eval harness and the small-model router benchmark."""

@@ -1,0 +1,412 @@
+"""Serving benchmark: latency per SLA tier through Ray Serve, and what the Serve path adds.
+
+  python -m bench.serving.bench_serving [--quick] [--config configs/local.yaml]
+
+Starts the app of the config file on a private local Ray cluster, then, for
+each tier and concurrency, runs a closed loop: N workers each stream one chat
+completion (greedy, 64 output tokens with EOS ignored, prompts of 128 tokens
+after the chat template) and send the next as soon as it ends. A 429 is
+retried after its Retry-After, as clients do, and counted. Client-side TTFT
+(to the first content delta), TPOT ((last - first token) / (tokens - 1), per
+request), end-to-end latency and output tok/s are printed as JSON lines named
+as in BENCHMARKS.md. A run with longer, varied prompts (256-1024 tokens) on
+the standard tier follows, its metrics suffixed `.long`.
+
+Then the Serve path's TTFT overhead: the same fresh prompts (cold in every
+prefix cache), one at a time, through Serve and through an in-process
+AsyncLLMEngine built with the interactive pool's engine config.
+
+Last, what the serving path costs (`--serve-vs-engine` runs only this), on a
+cluster of its own where the interactive tier queues on its pool rather than
+shed or overflow (path_config: the path is measured, not admission): 4
+streams, random-token prompts of 128 tokens sent as ids to /v1/completions
+and synthetic chat text to /v1/chat/completions, 64 tokens each with EOS
+ignored; then the interactive pool's engine alone in this process, after
+the cluster is gone, at batch 4 on the same prompts. Metrics
+`ratio.serve_vs_engine.c4.<workload>` (serving tok/s / engine tok/s), and the
+latency metrics of both sides as `interactive.c4.<workload>` and
+`engine.c4.<workload>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+
+from bench.engine.bench_engine import make_prompts
+from bench.prompts import QUESTIONS, passage
+from bench.report import emit, log, percentile
+from engine.config import default_cache_dir
+from engine.engine import LLMEngine
+from engine.model.batch_invariance import request_reproducible_blas
+from engine.model.loader import load_tokenizer
+from engine.process import configure_process
+from engine.sampling_params import SamplingParams
+from serving.app_config import TierserveConfig, load_config
+from serving.http.openai_api import ChatEndpoint
+from testing.local_cluster import serving
+
+BENCH = "serving"
+TIERS = ("interactive", "standard", "batch")
+PROMPT_TOKENS = 128
+LONG_PROMPT_TOKENS = (256, 1024)
+SERVE_STREAMS = 4
+OUTPUT_TOKENS = 64
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How many requests at which concurrencies, and how long the long-prompt ones are."""
+
+    concurrencies: tuple[int, ...]
+    requests_per_worker: int
+    long_requests: int
+    overhead_requests: int
+    serve_requests_per_stream: int
+
+
+FULL = Plan(concurrencies=(1, 4, 16), requests_per_worker=3, long_requests=16,
+            overhead_requests=10, serve_requests_per_stream=6)  # fmt: skip
+QUICK = Plan(concurrencies=(1, 4), requests_per_worker=1, long_requests=4,
+             overhead_requests=4, serve_requests_per_stream=3)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Result:
+    """One streamed request as the client saw it (times in seconds from its send)."""
+
+    ttft_s: float
+    e2e_s: float
+    num_output_tokens: int
+    num_prompt_tokens: int
+    num_rejected: int
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first; None with fewer than two tokens."""
+        if self.num_output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.num_output_tokens - 1)
+
+
+class Prompts:
+    """Chat bodies whose templated prompt has an exact token count (up to re-tokenizing)."""
+
+    def __init__(self, tokenizer: Any, model: str, seed: int) -> None:
+        self._tokenizer = tokenizer
+        self._model = model
+        self._rng = random.Random(seed)
+        self._overhead = len(self._ids(""))
+
+    def body(self, num_tokens: int, max_tokens: int) -> dict[str, Any]:
+        """A chat body whose prompt is about `num_tokens` tokens of filler text and a question."""
+        question = "\n\n" + self._rng.choice(QUESTIONS)
+        budget = num_tokens - self._overhead - len(self._encode(question))
+        # Twice the words needed, then cut to the token budget: the question stays whole.
+        text_ids = self._encode(passage(2 * num_tokens, self._rng))[: max(1, budget)]
+        content = self._tokenizer.decode(text_ids) + question
+        return {
+            "model": self._model, "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True},
+        }  # fmt: skip
+
+    def prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        """The token ids the ingress makes of `body`: the same code path, not a copy."""
+        (ids,) = ChatEndpoint.prompt_ids(ChatEndpoint.schema.model_validate(body), self._tokenizer)
+        return ids
+
+    def _encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def _ids(self, content: str) -> list[int]:
+        return self.prompt_ids(
+            {"model": self._model, "messages": [{"role": "user", "content": content}]}
+        )
+
+
+async def stream_request(
+    http: httpx.AsyncClient, body: dict[str, Any], tier: str, path: str = CHAT_PATH
+) -> Result:
+    """Send one streaming request, retrying 429s after their Retry-After. `path` is the
+    chat or the completions endpoint; the first token is the first non-empty text."""
+    for num_rejected in range(100):
+        start_s = time.perf_counter()
+        first_s: float | None = None
+        usage: dict[str, int] = {}
+        headers = {"X-SLA-Tier": tier}
+        async with http.stream("POST", path, json=body, headers=headers) as r:
+            if r.status_code == 429:
+                await asyncio.sleep(float(r.headers.get("retry-after", 1)))
+                continue
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                if first_s is None and any(map(_choice_text, chunk["choices"])):
+                    first_s = time.perf_counter()
+                usage = chunk.get("usage") or usage
+        end_s = time.perf_counter()
+        assert first_s is not None, "stream ended without a token"
+        return Result(
+            first_s - start_s, end_s - start_s, usage["completion_tokens"],
+            usage["prompt_tokens"], num_rejected,
+        )  # fmt: skip
+    raise RuntimeError("rejected 100 times in a row")
+
+
+def _choice_text(choice: dict[str, Any]) -> str:
+    """A streamed choice's new text: a chat delta's content or a completion's text."""
+    return choice.get("text") or choice.get("delta", {}).get("content") or ""
+
+
+async def closed_loop(
+    base_url: str,
+    tier: str,
+    bodies: list[dict[str, Any]],
+    concurrency: int,
+    path: str = CHAT_PATH,
+) -> tuple[list[Result], float]:
+    """Every body sent by `concurrency` workers, each starting its next as its last ends."""
+    queue = list(reversed(bodies))
+    results: list[Result] = []
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        """Send queued bodies one after another until the queue is empty."""
+        while queue:
+            results.append(await stream_request(http, queue.pop(), tier, path))
+
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as http:
+        start_s = time.perf_counter()
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+    return results, time.perf_counter() - start_s
+
+
+def report(
+    results: list[Result], wall_s: float, tier: str, concurrency: int, suffix: str = ""
+) -> None:
+    """The BENCHMARKS.md metrics of one closed-loop run."""
+    name = f"{tier}.c{concurrency}{suffix}"
+    extra = {
+        "n": len(results),
+        "prompt_tokens_mean": statistics.mean(r.num_prompt_tokens for r in results),
+        "output_tokens": OUTPUT_TOKENS,
+        "rejected_429": sum(r.num_rejected for r in results),
+    }
+    ttft = [r.ttft_s * 1000 for r in results]
+    tpot = [r.tpot_s * 1000 for r in results if r.tpot_s is not None]
+    e2e = [r.e2e_s * 1000 for r in results]
+    for q in (50, 95, 99):
+        emit(BENCH, f"ttft_ms.p{q}.{name}", percentile(ttft, q), "ms", **extra)
+    for q in (50, 95):
+        emit(BENCH, f"tpot_ms.p{q}.{name}", percentile(tpot, q), "ms", **extra)
+    for q in (50, 95, 99):
+        emit(BENCH, f"e2e_ms.p{q}.{name}", percentile(e2e, q), "ms", **extra)
+    emit(BENCH, f"throughput_tok_s.{name}", _tok_s(results, wall_s), "tok/s", **extra)
+
+
+async def engine_ttft_s(config: TierserveConfig, prompts: list[list[int]]) -> list[float]:
+    """TTFT of each prompt, one at a time, on an in-process engine like the interactive pool's."""
+    from engine.async_engine import (
+        AsyncLLMEngine,
+    )  # loads torch and the model; only this part needs it
+
+    engine = AsyncLLMEngine(config.pool("interactive").engine)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    ttfts = []
+    for ids in prompts:
+        start_s = time.perf_counter()
+        async for _ in engine.generate(ids, params, uuid.uuid4().hex):
+            ttfts.append(time.perf_counter() - start_s)
+            break
+    return ttfts
+
+
+async def serve_overhead(base_url: str, config: TierserveConfig, prompts: Prompts, n: int) -> None:
+    """Median TTFT via Serve minus median TTFT on the engine itself, same cold prompts, c=1."""
+    bodies = [prompts.body(PROMPT_TOKENS, max_tokens=1) for _ in range(n)]
+    serve_results, _ = await closed_loop(base_url, "interactive", bodies, concurrency=1)
+    engine_s = await engine_ttft_s(config, [prompts.prompt_ids(b) for b in bodies])
+    serve_ms = statistics.median(r.ttft_s for r in serve_results) * 1000
+    engine_ms = statistics.median(engine_s) * 1000
+    emit(BENCH, "ttft_ms.p50.serve_path.c1", serve_ms, "ms", n=n)
+    emit(BENCH, "ttft_ms.p50.engine_direct.c1", engine_ms, "ms", n=n)
+    emit(BENCH, "ttft_overhead_ms.serve_vs_engine", serve_ms - engine_ms, "ms", n=n)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The same prompts for the server (as request bodies) and for the engine (as ids)."""
+
+    name: str
+    path: str
+    bodies: list[dict[str, Any]]
+    prompt_ids: list[list[int]]
+
+
+def serve_vs_engine_workloads(prompts: Prompts, model: str, n: int) -> list[Workload]:
+    """Random-token prompts (no draft, nothing cached: the levers do not help) sent as ids to
+    /v1/completions, and synthetic chat text to /v1/chat/completions."""
+    random_ids = make_prompts(n, PROMPT_TOKENS, PROMPT_TOKENS, seed=SEED + 1)
+    random_bodies = [
+        {"model": model, "prompt": ids, "max_tokens": OUTPUT_TOKENS, "temperature": 0,
+         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        for ids in random_ids
+    ]  # fmt: skip
+    chat_bodies = [prompts.body(PROMPT_TOKENS, OUTPUT_TOKENS) for _ in range(n)]
+    chat_ids = [prompts.prompt_ids(body) for body in chat_bodies]
+    return [
+        Workload("random", COMPLETIONS_PATH, random_bodies, random_ids),
+        Workload("chat", CHAT_PATH, chat_bodies, chat_ids),
+    ]
+
+
+def engine_closed_loop(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int = OUTPUT_TOKENS
+) -> tuple[list[Result], float]:
+    """Every prompt queued at once on an engine of `max_num_seqs` = the streams: a request
+    starts as one ends, as with closed-loop clients. Each request as such a client would see
+    it (from when its slot freed), and the wall time."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    first_s: dict[str, float] = {}
+    ends_s: list[float] = []
+    results: list[Result] = []
+    start_s = time.perf_counter()
+    prompt_lengths = {f"closed-{start_s}-{i}": len(prompt) for i, prompt in enumerate(prompts)}
+    for request_id, prompt in zip(prompt_lengths, prompts, strict=True):
+        engine.add_request(request_id, prompt, params)
+    while engine.has_unfinished():
+        for output in engine.step():
+            now_s = time.perf_counter() - start_s
+            first_token_s = first_s.setdefault(output.request_id, now_s)
+            if output.finished:
+                sent_s = _sent_s(first_token_s, ends_s)
+                results.append(Result(first_token_s - sent_s, now_s - sent_s,
+                                      output.num_output_tokens,
+                                      prompt_lengths[output.request_id], 0))  # fmt: skip
+                ends_s.append(now_s)
+    return results, time.perf_counter() - start_s
+
+
+def _sent_s(first_token_s: float, ends_s: list[float]) -> float:
+    """When a closed-loop client would have sent a request that got its first token at
+    `first_token_s`: as the request whose slot it took ended, the latest end before (0 for
+    the first wave)."""
+    return max((end_s for end_s in ends_s if end_s <= first_token_s), default=0.0)
+
+
+def path_config(config: TierserveConfig) -> TierserveConfig:
+    """The app as configured, except that the interactive tier queues on its own pool
+    instead of shedding or overflowing: what is measured is the path, not admission (where
+    the hardware is slower than the tier's SLO, `protect` refuses requests; bench_sla
+    measures that)."""
+    tiers = tuple(
+        t.model_copy(update={"on_slo_miss": "queue", "overflow_pool": None})
+        if t.name == "interactive" else t
+        for t in config.tiers
+    )  # fmt: skip
+    return config.model_copy(update={"tiers": tiers})
+
+
+def serve_vs_engine(config: TierserveConfig, prompts: Prompts, plan: Plan) -> None:
+    """The serving path's cost: 4 streams on the interactive tier, on a cluster of their
+    own, against the interactive pool's engine alone (after the cluster is gone, with the
+    replica's thread count) at batch 4 on the same prompts. A first round on each side
+    warms it up and is not reported."""
+    model = config.model_name
+    warm_up = serve_vs_engine_workloads(prompts, model, SERVE_STREAMS)
+    workloads = serve_vs_engine_workloads(
+        prompts, model, SERVE_STREAMS * plan.serve_requests_per_stream
+    )
+    with serving(path_config(config)) as base_url:
+        _serve_closed_loops(base_url, warm_up)
+        served = _serve_closed_loops(base_url, workloads)
+    engine_config = config.pool("interactive").engine
+    configure_process(engine_config)
+    engine = LLMEngine(replace(engine_config, max_num_seqs=SERVE_STREAMS))
+    for workload in warm_up:
+        engine_closed_loop(engine, workload.prompt_ids)
+    for workload in workloads:
+        suffix = f".{workload.name}"
+        serve_results, serve_wall_s = served[workload.name]
+        engine_results, engine_wall_s = engine_closed_loop(engine, workload.prompt_ids)
+        report(serve_results, serve_wall_s, "interactive", SERVE_STREAMS, suffix)
+        report(engine_results, engine_wall_s, "engine", SERVE_STREAMS, suffix)
+        ratio = _tok_s(serve_results, serve_wall_s) / _tok_s(engine_results, engine_wall_s)
+        emit(BENCH, f"ratio.serve_vs_engine.c{SERVE_STREAMS}{suffix}", ratio, "x",
+             n=len(serve_results), baseline=f"engine.c{SERVE_STREAMS}{suffix}")  # fmt: skip
+
+
+def _serve_closed_loops(
+    base_url: str, workloads: list[Workload]
+) -> dict[str, tuple[list[Result], float]]:
+    """Each workload through the server on the interactive tier: results and wall time."""
+    served = {}
+    for workload in workloads:
+        log(f"--- serve {workload.name}: {len(workload.bodies)} requests, {SERVE_STREAMS} streams")
+        served[workload.name] = asyncio.run(
+            closed_loop(base_url, "interactive", workload.bodies, SERVE_STREAMS, workload.path)
+        )
+    return served
+
+
+def _tok_s(results: list[Result], wall_s: float) -> float:
+    return sum(r.num_output_tokens for r in results) / wall_s
+
+
+async def run(base_url: str, config: TierserveConfig, prompts: Prompts, plan: Plan) -> None:
+    """Stream every tier at every concurrency and emit its latency percentiles."""
+    for tier in TIERS:
+        for concurrency in plan.concurrencies:
+            bodies = [prompts.body(PROMPT_TOKENS, OUTPUT_TOKENS)
+                      for _ in range(concurrency * plan.requests_per_worker)]  # fmt: skip
+            log(f"--- {tier} c{concurrency}: {len(bodies)} requests")
+            report(*await closed_loop(base_url, tier, bodies, concurrency), tier, concurrency)
+    rng = random.Random(SEED)
+    bodies = [prompts.body(rng.randint(*LONG_PROMPT_TOKENS), OUTPUT_TOKENS)
+              for _ in range(plan.long_requests)]  # fmt: skip
+    log(f"--- standard c4, long prompts: {len(bodies)} requests")
+    report(*await closed_loop(base_url, "standard", bodies, 4), "standard", 4, suffix=".long")
+    await serve_overhead(base_url, config, prompts, plan.overhead_requests)
+
+
+def main() -> None:
+    """Start the app on a private cluster (or use --url) and run the plan."""
+    request_reproducible_blas()  # as pool replicas run (engine.process), before any matmul
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="c1 and c4 only, fewer requests")
+    parser.add_argument("--config", default="configs/local.yaml")
+    parser.add_argument(
+        "--serve-vs-engine", action="store_true", help="only the serving path against the engine"
+    )
+    args = parser.parse_args()
+    config = load_config(args.config)
+    prompts = Prompts(load_tokenizer("default", default_cache_dir()), config.model_name, SEED)
+    plan = QUICK if args.quick else FULL
+    start_s = time.perf_counter()
+    if not args.serve_vs_engine:
+        with serving(config) as base_url:
+            log(f"serving at {base_url} after {time.perf_counter() - start_s:.0f} s")
+            asyncio.run(run(base_url, config, prompts, plan))
+    serve_vs_engine(config, prompts, plan)
+    log(f"done in {time.perf_counter() - start_s:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Traffic generators: locust workloads and the soak."""

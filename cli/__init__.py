@@ -1,0 +1,1 @@
+"""The `tierserve` command: batch jobs, distillation, router training."""

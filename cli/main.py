@@ -1,0 +1,27 @@
+"""`tierserve`: the project's console script. Each command group lives in its own module
+and adds its subcommands here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cli import batch as batch_cli
+from cli import distill as distill_cli
+from cli import router as router_cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run the chosen command; its exit status."""
+    parser = argparse.ArgumentParser(prog="tierserve", description=__doc__)
+    commands = parser.add_subparsers(dest="group", required=True)
+    batch_cli.add_commands(commands)
+    distill_cli.add_commands(commands)
+    router_cli.add_commands(commands)
+    args = parser.parse_args(argv)
+    status: int = args.run(args)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""`tierserve router train`: (re)train the difficulty router and calibrate its threshold.
+
+On the project's labelled prompt set (its `train` split; the `eval` split then
+draws the report), or with `--from-logs` on a deployment's own traffic: the
+request log lines of the ingress (written with `log_prompts: true`), so the
+calibration and the curve come from the traffic the router will route. Both
+models answer every prompt (small_model/labels.py); the router is fitted to
+where the small one kept the quality, its threshold set to move `--share` of
+the traffic, and a report (JSON + PNG curve) is written beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from engine.config import default_cache_dir
+from small_model.data import LABELLED_SET
+
+DEFAULT_ROUTER = Path("configs/router.json")
+LOGGED_MAX_TOKENS = 64
+"""A logged request that did not set max_tokens is answered this far when labelling."""
+REPORT_EVERY = 3
+"""With --from-logs, every third request is held out to draw the report."""
+
+
+def add_commands(groups: Any) -> None:
+    """Add the `router` group and its `train` command to the top-level parser."""
+    group = groups.add_parser("router", help="the difficulty router (model: auto)")
+    commands = group.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="label prompts with both models and fit")
+    source = train.add_mutually_exclusive_group()
+    source.add_argument("--set", type=Path, default=LABELLED_SET, help="labelled JSONL")
+    source.add_argument("--from-logs", type=Path, nargs="+", help="ingress request logs")
+    train.add_argument("--share", type=float, default=0.5, help="traffic to move (0-1)")
+    train.add_argument("--out", type=Path, default=DEFAULT_ROUTER)
+    train.add_argument("--default-model", default="default")
+    train.add_argument("--small-model", default="student")
+    train.add_argument("--limit", type=int, default=None, help="use at most N prompts")
+    train.add_argument("--cache-dir", type=Path, default=default_cache_dir())
+    train.set_defaults(run=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Label, fit, calibrate, report."""
+    from policies.difficulty import calibrate_threshold, fit_difficulty_model
+    from small_model.labels import label_prompts
+    from small_model.report import route_report
+
+    fit_rows, report_rows = _prompts(args)
+    default, small = _engine(args.default_model, args), _engine(args.small_model, args)
+    fit_set = label_prompts(fit_rows, default, small)
+    model = fit_difficulty_model(
+        [item.features for item in fit_set], [item.label for item in fit_set], args.share
+    )
+    report_set = label_prompts(report_rows, default, small)
+    if args.from_logs:  # calibrate on the traffic it routes, as a whole
+        both = fit_set + report_set
+        scores = [model.score(item.features) for item in both]
+        model = dataclasses.replace(model, threshold=calibrate_threshold(scores, args.share))
+    model.save(args.out)
+    report = route_report(model, report_set)
+    report.save(args.out.with_suffix(".report.json"))
+    print(f"router: {args.out} (threshold {model.threshold:.3f}, target share {args.share})")
+    print(json.dumps(dataclasses.asdict(report), indent=2))
+    return 0
+
+
+def _engine(model: str, args: argparse.Namespace) -> Any:
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=model, cache_dir=args.cache_dir))
+
+
+def _prompts(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
+    """(prompts to fit on, prompts to report on)."""
+    from small_model.labels import RoutePrompt
+
+    if args.from_logs:
+        rows = list(logged_requests(args.from_logs))[: args.limit]
+        if len(rows) < 2 * REPORT_EVERY:
+            raise SystemExit(f"only {len(rows)} logged requests with request_text: too few")
+        prompts = [RoutePrompt(text, max_tokens) for text, max_tokens in rows]
+        held = [p for i, p in enumerate(prompts) if i % REPORT_EVERY == REPORT_EVERY - 1]
+        return [p for i, p in enumerate(prompts) if i % REPORT_EVERY != REPORT_EVERY - 1], held
+    rows = [json.loads(line) for line in args.set.read_text().splitlines() if line.strip()]
+    by_split: dict[str, list[RoutePrompt]] = {"train": [], "eval": []}
+    for row in rows:
+        prompt = RoutePrompt(row["prompt"], row["max_tokens"], row.get("answer"))
+        by_split[row.get("split", "train")].append(prompt)
+    return by_split["train"][: args.limit], by_split["eval"][: args.limit]
+
+
+def logged_requests(paths: list[Path]) -> Iterator[tuple[str, int]]:
+    """(request text, max_tokens) of each logged request, each text once."""
+    seen: set[str] = set()
+    for path in paths:
+        for line in path.read_text(errors="replace").splitlines():
+            start = line.find('{"request_id"')
+            if start < 0:
+                continue
+            try:
+                fields, _ = json.JSONDecoder().raw_decode(line[start:])
+            except json.JSONDecodeError:
+                continue
+            text = fields.get("request_text")
+            if text and text not in seen:
+                seen.add(text)
+                yield text, int(fields.get("max_tokens") or LOGGED_MAX_TOKENS)

@@ -1,1 +1,0 @@
-"""Ray Serve deployments: the OpenAI ingress and the engine pools, thin glue over engine/."""

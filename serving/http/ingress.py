@@ -1,0 +1,557 @@
+"""The ingress deployment: OpenAI HTTP API in, a pool chosen per request, tokens out as SSE.
+
+Thin glue: who may call is the gateway's, which pool is policies/', the
+OpenAI shapes are openai_api's, metrics are telemetry's. Every answer is
+OpenAI-format JSON (or, once a stream has begun, an SSE error event then
+`[DONE]`): refusals carry their status, and anything unexpected is a 500 with
+the request id while the traceback goes to the replica log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any, cast
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from policies.difficulty import DifficultyModel, prompt_features
+from policies.model_routing import AUTO_MODEL, ModelChoice, ModelRoutes, choose_model
+from policies.placement import Placement, RequestShape, place
+from policies.tiers import Tier, resolve_tier
+from serving.batch.api import BatchApi
+from serving.config import CallerPolicy, IngressConfig
+from serving.http import schemas
+from serving.http.errors import (
+    ApiError,
+    bad_request,
+    context_length_exceeded,
+    deadline_exceeded,
+    internal_error,
+    model_unavailable,
+    pool_unavailable,
+    replica_unavailable,
+    too_many_requests,
+)
+from serving.http.gateway import Gateway
+from serving.http.limits import check_limits
+from serving.http.openai_api import (
+    ENDPOINTS,
+    ChatEndpoint,
+    Echo,
+    Endpoint,
+    parse_body,
+    sampling_params,
+)
+from serving.http.request_body import decode_json_object, read_body
+from serving.http.routes import Call, Route, RouteTable
+from serving.http.streaming import ChoiceProgress, merge_streams, usage
+from serving.pools.calls import first_answer
+from serving.pools.pool import PoolRequest
+from serving.pools.pool_monitor import PoolMonitor, TrackedSequence
+from serving.pools.slo_watch import SloWatch
+from serving.telemetry import Admission, RequestRecord, Telemetry
+
+log = logging.getLogger(__name__)
+
+MAX_USER_CHARS = 256
+"""The body's `user` is logged up to this length: an id, not a way to fill the log."""
+BATCH_RUNNER = CallerPolicy(name="batch-runner")
+"""The caller batch lines run as: the batch's creator was checked for the tier when it
+was created, and the runner's in-flight bound, not a rate limit, paces its lines."""
+
+
+@dataclass
+class Job:
+    """An accepted request: where it runs, what it samples, and each choice's progress."""
+
+    request_id: str
+    key: CallerPolicy
+    tier: Tier
+    pool: str
+    endpoint: Endpoint
+    body: schemas.SamplingFields
+    prompts: list[list[int]]
+    params: SamplingParams
+    choices: list[ChoiceProgress]
+    time_limit_s: float
+    """The tier's deadline (or the app's request timeout), from arrival."""
+    deadline_s: float
+    """Monotonic time past which the request is aborted."""
+    placement: Placement
+    """Why this pool: the predicted latency and whether the request was downgraded."""
+    model_choice: ModelChoice
+    """Which model the request asked for or the router chose, and why."""
+    user: str | None
+    """The body's `user` (OpenAI's end-user id), for the request log."""
+
+    @property
+    def max_step_s(self) -> float | None:
+        """The time per token the pool must keep for this request: its tier's target,
+        none once downgraded."""
+        return None if self.placement.downgraded else self.tier.tpot_target_s
+
+    @property
+    def num_reserved_tokens(self) -> int:
+        """What the request may cost at most: every choice's prompt plus max_tokens."""
+        prompt = sum(len(self.prompts[c.prompt_index]) for c in self.choices)
+        return prompt + self.params.max_tokens * len(self.choices)
+
+    def pool_requests(self) -> list[PoolRequest]:
+        """One engine request per choice; `n` copies of a seeded prompt get distinct seeds."""
+        requests = []
+        for index, choice in enumerate(self.choices):
+            seed = None if self.params.seed is None else _nth_seed(self.params.seed, index)
+            requests.append(
+                PoolRequest(
+                    request_id=f"{self.request_id}-{index}",
+                    prompt_token_ids=self.prompts[choice.prompt_index],
+                    params=replace(self.params, seed=seed),
+                    priority=self.tier.priority,
+                    max_step_s=self.max_step_s,
+                    stream=self.body.stream,
+                )
+            )
+        return requests
+
+
+@serve.deployment
+class Ingress:
+    """The OpenAI-compatible front door: authenticates, validates, picks a tier and a pool,
+    streams the pool's tokens back, and answers every failure in OpenAI's error format."""
+
+    # Serve awaits an async constructor: the pools' tokenizer is fetched before traffic.
+    async def __init__(  # type: ignore[misc]
+        self,
+        config: IngressConfig,
+        pools: dict[str, DeploymentHandle],
+        batch_runner: DeploymentHandle | None = None,
+        router: DifficultyModel | None = None,
+    ) -> None:
+        self._config = config
+        self._pools = pools
+        self._router = router
+        self._models = model_routes(config)
+        # Pools of one family share a tokenizer; routing needs the token count first. The
+        # default model's pools have it from the start (a small pool may still be waiting).
+        self._tokenizer = await first_answer(
+            [
+                cast(DeploymentResponse, h.tokenizer.remote())
+                for name, h in pools.items()
+                if config.pool(name).model_name == config.model_name
+            ]
+        )
+        pool_configs = {p.name: p for p in config.pools}
+        self._gateway = Gateway(config.gateway)
+        self._monitor = PoolMonitor(pool_configs, pools, config.stats_poll_interval_s)
+        self._telemetry = Telemetry(config.model_name, pool_configs, self._monitor)
+        await self._monitor.poll_once()
+        self._poller = asyncio.create_task(self._monitor.poll_forever())
+        self._slo_watch = SloWatch(config.tiers, self._monitor)
+        self._slo_watch.check()
+        self._telemetry.registry.register(self._slo_watch)
+        self._slo_watcher = asyncio.create_task(self._slo_watch.watch_forever())
+        routes: dict[tuple[str, str], Route] = {
+            **{
+                ("POST", path): Route(partial(self._complete, endpoint=endpoint))
+                for path, endpoint in ENDPOINTS.items()
+            },
+            ("GET", "/v1/models"): Route(self._list_models),
+            ("GET", "/health"): Route(self._health, public=True),
+            ("GET", "/metrics"): Route(self._metrics),
+        }
+        if batch_runner is not None:
+            batches = BatchApi(
+                batch_runner, config.batch_jobs, self._gateway, config.limits.max_json_depth
+            )
+            routes.update(batches.routes())
+        self._routes = RouteTable(routes)
+
+    async def __call__(self, request: Request) -> Response:
+        """Answer one HTTP call; whatever happens, the answer is OpenAI-format JSON or SSE
+        and names the request id (`x-tierserve-request-id`) the replica log knows it by."""
+        request_id = uuid.uuid4().hex
+        try:
+            response = await self._dispatch(request, request_id)
+        except ApiError as error:
+            response = error.response()
+        except Exception:
+            log.exception("request %s failed", request_id)
+            response = internal_error(request_id).response()
+        response.headers["x-tierserve-request-id"] = request_id
+        return response
+
+    async def _dispatch(self, request: Request, request_id: str) -> Response:
+        start_s = time.monotonic()
+        route = self._routes.find(request)
+        caller = (
+            self._config.gateway.anonymous
+            if route.public
+            else self._gateway.authenticate(request.headers.get("authorization"))
+        )
+        return await route.handler(request, Call(request_id, start_s, caller))
+
+    async def _list_models(self, request: Request, call: Call) -> Response:
+        """The models requests may name (`auto`, which lets the router choose, is not one)."""
+        names = [n for n in self._models.names if n != AUTO_MODEL]
+        cards = [schemas.ModelCard(id=name, created=0) for name in names]
+        return JSONResponse(schemas.ModelList(data=cards).model_dump(mode="json"))
+
+    async def _health(self, request: Request, call: Call) -> Response:
+        """503 while some pool has no live replica, so a load balancer routes elsewhere; a
+        pool still waiting for its model (the small model before it is distilled) is named
+        in `unavailable` but does not fail the check: everything else serves. Tiers whose
+        SLO their pools miss even idle are named in `slo_infeasible` (it serves, late)."""
+        waiting = {
+            name: reason
+            for name in self._pools
+            if (reason := self._monitor.unavailable_reason(name)) is not None
+        }
+        down = [n for n in self._pools if not self._monitor.replica_stats(n) and n not in waiting]
+        details: dict[str, Any] = {"unavailable": waiting} if waiting else {}
+        if infeasible := self._slo_watch.infeasible():
+            details["slo_infeasible"] = infeasible
+        if down:
+            body = {"status": "degraded", "pools_down": down, **details}
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ok", **details})
+
+    async def _metrics(self, request: Request, call: Call) -> Response:
+        return Response(self._telemetry.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def _complete(self, request: Request, call: Call, endpoint: type[Endpoint]) -> Response:
+        admission = Admission(call)
+        with self._telemetry.refusals(admission):
+            document = await self._read_document(request)
+            tier = request.headers.get("x-sla-tier")
+            job = await self._accept(admission, document, endpoint, tier)
+        events = self._run(job)
+        headers = self._headers(job)
+        if not job.body.stream:
+            return JSONResponse(await self._collect(job, events), headers=headers)
+        # Wait for the first delta so an engine-side rejection is still a 400, not a broken stream.
+        first = await anext(events)
+        return StreamingResponse(
+            self._sse(job, _prepend(first, events)), media_type="text/event-stream", headers=headers
+        )
+
+    async def _read_document(self, request: Request) -> dict[str, Any]:
+        """The body as a JSON object, within the configured size (413) and depth (400)."""
+        limits = self._config.limits
+        raw = await read_body(request, limits.max_body_bytes)
+        # Parsing, templating and tokenizing a large body take CPU time: off the event
+        # loop, so one big prompt does not stall every other stream.
+        return await asyncio.to_thread(decode_json_object, raw, limits.max_json_depth)
+
+    async def run_batch_line(
+        self, url: str, document: dict[str, Any]
+    ) -> tuple[int, dict[str, Any]]:
+        """One line of a batch job (the batch runner calls this), at the batch jobs' tier:
+        the same checks and placement as over HTTP (not the key's rate limits: the runner
+        paces its lines); answered as (status, JSON body)."""
+        call = Call(uuid.uuid4().hex, time.monotonic(), BATCH_RUNNER)
+        admission = Admission(call)
+        try:
+            document = {**document, "stream": False}
+            with self._telemetry.refusals(admission):
+                tier = self._config.batch_jobs.tier
+                job = await self._accept(admission, document, ENDPOINTS[url], tier)
+            return 200, await self._collect(job, self._run(job))
+        except ApiError as error:
+            refusal = error
+        except Exception:
+            log.exception("batch line %s failed", call.request_id)
+            refusal = internal_error(call.request_id)
+        return refusal.status, refusal.body()
+
+    async def _accept(
+        self,
+        admission: Admission,
+        document: dict[str, Any],
+        endpoint: type[Endpoint],
+        tier_name: str | None,
+    ) -> Job:
+        """The request's job, charged to its caller and counted as admitted; the 4xx or 503
+        that refuses it otherwise (`admission` keeps what was learned, for its log line)."""
+        admission.user = _end_user(document)
+        body = parse_body(endpoint.schema, document)
+        if body.model not in self._models.names:
+            message = f"The model {body.model!r} does not exist; use one of {self._models.names}."
+            raise ApiError(404, message, code="model_not_found", param="model")
+        check_limits(body, self._config.limits)
+        tier = self._tier(tier_name, body, admission.call.caller)
+        admission.tier = tier.name
+        prompts = await asyncio.to_thread(endpoint.prompt_ids, body, self._tokenizer)
+        job = self._plan(admission, body, tier, prompts, endpoint)
+        self._gateway.charge(job.key, len(job.choices), job.num_reserved_tokens)
+        self._telemetry.count_admitted(tier.name, job.placement)
+        return job
+
+    async def _collect(
+        self, job: Job, events: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> dict[str, Any]:
+        """A non-streamed answer: every delta gathered, then the whole response."""
+        async for _ in events:
+            pass
+        return job.endpoint.response(job.choices).model_dump(mode="json")
+
+    def _place(
+        self,
+        admission: Admission,
+        body: schemas.SamplingFields,
+        tier: Tier,
+        prompts: list[list[int]],
+    ) -> tuple[ModelChoice, str]:
+        """The model and pool for a request (its placement kept in `admission`), or the
+        429 or 503 that refuses it."""
+        if not all(prompts):
+            raise bad_request("prompt must not be empty", param="prompt")
+        longest = max(len(p) for p in prompts)
+        shape = RequestShape(longest, body.requested_max_tokens or 0, len(prompts) * body.n)
+        choice = self._choose_model(body, tier, longest)
+        placement = place(choice.tier, shape, self._monitor.states(), jitter=random.random())
+        admission.placement = placement
+        if placement.reason == "unavailable" and choice.model == self._models.small_model:
+            why = self._monitor.unavailable_reason(choice.tier.pool)
+            raise model_unavailable(choice.model, why, placement.retry_after_s or 1)
+        if placement.reason == "unavailable":
+            raise pool_unavailable(tier.name, placement.retry_after_s or 1)
+        if placement.pool is None:
+            raise too_many_requests(
+                f"Tier {tier.name!r} is over capacity ({placement.reason}).",
+                placement.retry_after_s or 1,
+                reason=placement.reason,
+            )
+        return choice, placement.pool
+
+    def _plan(
+        self,
+        admission: Admission,
+        body: schemas.SamplingFields,
+        tier: Tier,
+        prompts: list[list[int]],
+        endpoint_cls: type[Endpoint],
+    ) -> Job:
+        """Pool, sampling and deadline for a request, or the 4xx that refuses it."""
+        choice, pool = self._place(admission, body, tier, prompts)
+        call, placement = admission.call, admission.placement
+        assert placement is not None  # _place placed it
+        longest = max(len(p) for p in prompts)
+        max_tokens = self._max_tokens(body.requested_max_tokens, longest, pool)
+        prefix = "chatcmpl" if endpoint_cls is ChatEndpoint else "cmpl"
+        request_id = f"{prefix}-{call.request_id}"
+        choices = [
+            ChoiceProgress(start_s=call.start_s, prompt_index=i)
+            for i in range(len(prompts))
+            for _ in range(body.n)
+        ]
+        time_limit_s = min(tier.deadline_s or math.inf, self._config.request_timeout_s)
+        return Job(
+            request_id=request_id,
+            key=call.caller,
+            tier=tier,
+            pool=pool,
+            endpoint=endpoint_cls(
+                request_id,
+                int(time.time()),
+                self._config.pool(pool).model_name,
+                self._tokenizer,
+                with_logprobs=body.num_logprobs is not None,
+                echo=tuple(
+                    Echo(sent if isinstance(sent, str) else self._tokenizer.decode(ids), tuple(ids))
+                    for sent, ids in zip(body.echoed_prompts, prompts, strict=False)
+                ),
+            ),
+            body=body,
+            prompts=prompts,
+            params=sampling_params(body, max_tokens),
+            choices=choices,
+            time_limit_s=time_limit_s,
+            deadline_s=call.start_s + time_limit_s,
+            placement=placement,
+            model_choice=choice,
+            user=admission.user,
+        )
+
+    def _choose_model(
+        self, body: schemas.SamplingFields, tier: Tier, num_tokens: int
+    ) -> ModelChoice:
+        """The model for this request (policies/model_routing.py); counted in the metrics."""
+        small_pool = self._models.small_pool
+        available = small_pool is not None and bool(self._monitor.replica_stats(small_pool))
+
+        def score() -> tuple[float, bool]:
+            """The router's verdict, computed only when the choice needs it."""
+            assert self._router is not None  # a small model is configured only with a router
+            features = prompt_features(body.routing_text, num_tokens, body.requested_max_tokens)
+            return self._router.score(features), self._router.routes_to_small(features)
+
+        choice = choose_model(body.model, tier, self._models, available, score)
+        self._telemetry.count_model_decision(tier.name, choice.model, choice.reason)
+        return choice
+
+    def _tier(self, header: str | None, body: schemas.SamplingFields, caller: CallerPolicy) -> Tier:
+        """The tier asked for (header, body, key default), if it exists and the key may use it."""
+        names = [t.name for t in self._config.tiers]
+        try:
+            name = resolve_tier(
+                header, body.tier, caller.default_tier, self._config.default_tier, names
+            )
+        except ValueError as error:
+            raise bad_request(str(error), param="tier") from None
+        self._gateway.authorize_tier(caller, name)
+        return self._config.tier(name)
+
+    def _max_tokens(self, requested: int | None, num_prompt_tokens: int, pool: str) -> int:
+        """The request's max_tokens, by default the rest of the context, as vLLM does."""
+        max_model_len = self._monitor.max_model_len(pool)
+        max_tokens = (
+            requested if requested is not None else max(1, max_model_len - num_prompt_tokens)
+        )
+        if num_prompt_tokens + max_tokens > max_model_len:
+            raise context_length_exceeded(num_prompt_tokens, max_tokens, max_model_len)
+        return max_tokens
+
+    async def _run(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every choice's deltas as they arrive; leaving early (the client left, the deadline
+        passed, a replica died) cancels them in the pool, which frees their KV blocks."""
+        handle = self._pools[job.pool].generate.options(stream=True)
+        # With stream=True every call answers a generator; the stub can't tell.
+        streams = [
+            cast(DeploymentResponseGenerator, handle.remote(pool_request))
+            for pool_request in job.pool_requests()
+        ]
+        status = "aborted"
+        sequences = [
+            TrackedSequence(job.tier.priority, len(r.prompt_token_ids), r.params.max_tokens)
+            for r in job.pool_requests()
+        ]
+        with self._monitor.track(job.pool, sequences):
+            try:
+                async for index, output in merge_streams(streams, job.deadline_s):
+                    job.choices[index].add(output, time.monotonic())
+                    sequences[index].num_output_tokens = output.num_output_tokens
+                    yield index, output
+                status = "ok"
+            except TimeoutError:
+                status = "timeout"
+                raise deadline_exceeded(job.time_limit_s) from None
+            except ValueError as error:  # the engine refused the input
+                status = "error"
+                raise bad_request(str(_cause(error))) from None
+            except RayActorError as error:  # the replica died (Serve starts another)
+                status = "error"
+                log.warning("request %s lost its replica: %s", job.request_id, error)
+                raise replica_unavailable() from None
+            except Exception:
+                status = "error"
+                raise
+            finally:
+                for stream in streams:
+                    stream.cancel()
+                self._telemetry.observe(self._record(job, status))
+
+    async def _sse(
+        self, job: Job, events: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[str]:
+        """OpenAI's chunk stream; an error mid-stream (deadline, dead replica, a fault of
+        ours) is sent as an error event then `[DONE]`, never a hang or a cut stream."""
+        endpoint = job.endpoint
+        try:
+            for chunk in endpoint.opening(len(job.choices)):
+                yield _event(chunk)
+            async for index, output in events:
+                if output.new_text or output.finished or output.new_logprobs:
+                    yield _event(endpoint.delta(index, output, job.choices[index]))
+            if job.body.include_usage_chunk:
+                yield _event(endpoint.usage_chunk(usage(job.choices)))
+        except ApiError as error:
+            yield _event(schemas.ErrorResponse(error=error.detail))
+        except Exception:
+            log.exception("stream %s failed", job.request_id)
+            yield _event(schemas.ErrorResponse(error=internal_error(job.request_id).detail))
+        yield "data: [DONE]\n\n"
+
+    def _headers(self, job: Job) -> dict[str, str]:
+        """Every response names where it went."""
+        headers = {
+            "x-tierserve-tier": job.tier.name,
+            "x-tierserve-pool": job.pool,
+            "x-tierserve-model": self._config.pool(job.pool).model_name,
+        }
+        prediction = job.placement.prediction
+        if prediction is not None:
+            headers["x-tierserve-predicted-ttft-ms"] = f"{prediction.ttft_s * 1000:.0f}"
+            headers["x-tierserve-predicted-tpot-ms"] = f"{prediction.tpot_s * 1000:.1f}"
+        if job.placement.downgraded:
+            headers["x-tierserve-downgraded"] = "true"
+        if job.model_choice.difficulty is not None:
+            headers["x-tierserve-difficulty"] = f"{job.model_choice.difficulty:.3f}"
+        return headers
+
+    def _record(self, job: Job, status: str) -> RequestRecord:
+        log_prompts = self._config.log_prompts
+        prompt_text = self._tokenizer.decode(job.prompts[0]) if log_prompts else None
+        return RequestRecord(
+            request_id=job.request_id,
+            key_name=job.key.name,
+            tier=job.tier,
+            pool=job.pool,
+            status=status,
+            choices=job.choices,
+            end_s=time.monotonic(),
+            prompt_text=prompt_text,
+            request_text=job.body.routing_text if log_prompts else None,
+            max_tokens=job.body.requested_max_tokens,
+            user=job.user,
+            placement=job.placement,
+        )
+
+
+def model_routes(config: IngressConfig) -> ModelRoutes:
+    """The models the config serves: the default one and the small pool's, if any."""
+    small = config.small_model
+    if small is None:
+        return ModelRoutes(config.model_name)
+    return ModelRoutes(config.model_name, config.pool(small.pool).model_name, small.pool)
+
+
+def _end_user(document: dict[str, Any]) -> str | None:
+    """The body's `user` (OpenAI's id of the caller's end user) when it is a string."""
+    user = document.get("user")
+    return user[:MAX_USER_CHARS] if isinstance(user, str) else None
+
+
+def _nth_seed(seed: int, index: int) -> int:
+    """`seed + index`, wrapped to stay a 64-bit seed (a seed near the top with n > 1)."""
+    return SEED_MIN + (seed + index - SEED_MIN) % (SEED_MAX - SEED_MIN + 1)
+
+
+def _event(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+def _cause(error: BaseException) -> BaseException:
+    """The replica's own exception inside Ray's wrapper, whose text is a whole traceback."""
+    return error.cause if isinstance(error, RayTaskError) and error.cause else error

@@ -1,0 +1,363 @@
+"""The OpenAI side of the ingress: request bodies to token ids and sampling params,
+engine progress to response bodies and stream chunks.
+
+Chat and text completions differ only here; the ingress treats both alike.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple
+
+from jinja2 import TemplateError
+from pydantic import BaseModel, ValidationError
+
+from engine.grammar import parse
+from engine.model.chat import chat_prompt_ids
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.sampling_params import GrammarSpec, SamplingParams
+from serving.http import schemas as s
+from serving.http.errors import bad_request
+from serving.http.logprobs import chat_logprobs, completion_logprobs
+from serving.http.request_fields import FieldRefused, served_fields
+from serving.http.streaming import ChoiceProgress, usage
+from serving.http.tool_calls import CallDelta, ToolCallStream, call_id, parse_tool_calls
+
+
+def parse_body(schema: type[s.SamplingFields], body: Any) -> s.SamplingFields:
+    """Validate a JSON body: a field the endpoint does not honour is refused (its table in
+    serving/http/request_fields.py says why), then the schema checks the rest; either way
+    the refusal is one OpenAI-style 400 naming the field."""
+    try:
+        return schema.model_validate(served_fields(schema.field_rules, body))
+    except FieldRefused as refusal:
+        raise bad_request(str(refusal), refusal.param) from None
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from None
+
+
+def sampling_params(body: s.SamplingFields, max_tokens: int) -> SamplingParams:
+    """Map the request's sampling fields onto the engine's, as a 400 when they are invalid."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=max(body.top_k, 0),  # -1 is the other common spelling of "off"
+            min_tokens=body.min_tokens,
+            repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            logit_bias=tuple((int(t), bias) for t, bias in (body.logit_bias or {}).items()),
+            min_p=body.min_p,
+            seed=body.seed,
+            stop=tuple(body.stop),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+            ignore_eos=body.ignore_eos,
+            logprobs=body.num_logprobs,
+            prompt_logprobs=body.num_logprobs if body.echoed_prompts else None,
+            grammar=_grammar(body),
+        )
+    except ValueError as error:
+        raise bad_request(str(error)) from None
+
+
+def _grammar(body: s.SamplingFields) -> GrammarSpec | None:
+    """The body's output grammar, built and parsed here so that one the library refuses is
+    a 400 naming the field that sent it, before any pool sees it."""
+    asked = body.grammar_params()
+    if not asked:
+        return None
+    param = asked[0]
+    try:
+        spec = body.grammar_of(param)
+        parse(spec)
+    except ValueError as error:
+        raise bad_request(f"{param}: {error}", param) from None
+    return spec
+
+
+def _check_sampling_token_ids(body: s.SamplingFields, vocab_size: int) -> None:
+    """`logit_bias` keys and `stop_token_ids` must name tokens of the vocabulary."""
+    named = {
+        "logit_bias": [int(token_id) for token_id in body.logit_bias or {}],
+        "stop_token_ids": body.stop_token_ids or [],
+    }
+    for param, token_ids in named.items():
+        if any(token_id >= vocab_size for token_id in token_ids):
+            message = f"{param}: token ids must be below the vocabulary size {vocab_size}"
+            raise bad_request(message, param)
+
+
+class Echo(NamedTuple):
+    """A prompt as the client sent it and as it was tokenized."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Endpoint(ABC):
+    """One OpenAI endpoint: its body schema, its prompts, and the shapes it answers in.
+
+    An instance renders one response: every chunk carries the same id and created time.
+    """
+
+    schema: ClassVar[type[s.SamplingFields]]
+    response_id: str
+    created: int
+    model: str
+    tokenizer: Any
+    """Names the tokens of logprobs."""
+    with_logprobs: bool = False
+    echo: tuple[Echo, ...] = ()
+    """The prompts to repeat before their completions, by prompt index (none: no echo)."""
+
+    @classmethod
+    def prompt_ids(cls, body: Any, tokenizer: Any) -> list[list[int]]:
+        """Token ids of each prompt in the body (before `n` copies are made); first, the
+        token ids the body's sampling fields name are checked against the vocabulary, which
+        only the tokenizer knows (a 400 naming the field)."""
+        _check_sampling_token_ids(body, len(tokenizer))
+        return cls._prompts(body, tokenizer)
+
+    @staticmethod
+    @abstractmethod
+    def _prompts(body: Any, tokenizer: Any) -> list[list[int]]:
+        """Token ids of each prompt in the body."""
+
+    def opening(self, num_choices: int) -> list[BaseModel]:
+        """Chunks sent before any token."""
+        return []
+
+    @abstractmethod
+    def delta(self, index: int, output: RequestOutput, choice: ChoiceProgress) -> BaseModel:
+        """A stream chunk carrying the new text (and logprobs, and the finish reason at the
+        end) of one choice; `choice` already holds the output."""
+
+    @abstractmethod
+    def usage_chunk(self, usage: s.Usage) -> BaseModel:
+        """The stream's final chunk carrying usage, when the client asked for it."""
+
+    @abstractmethod
+    def response(self, choices: list[ChoiceProgress]) -> BaseModel:
+        """The whole response of a non-streamed request."""
+
+
+@dataclass(frozen=True)
+class ChatEndpoint(Endpoint):
+    """`/v1/chat/completions`: a conversation through the chat template.
+
+    Outputs are read for tool calls in the model's format (serving/http/tool_calls.py)
+    whatever the request: a request without tools (or with `tool_choice: none`) shows the
+    model none, so it has nothing to call.
+    """
+
+    schema = s.ChatCompletionRequest
+    tool_streams: dict[int, ToolCallStream] = field(default_factory=dict, repr=False)
+    """Each streamed choice's text turned into content and call deltas, by index."""
+
+    @staticmethod
+    def _prompts(body: s.ChatCompletionRequest, tokenizer: Any) -> list[list[int]]:
+        """The conversation, and the tools offered, through the model's chat template; a
+        template that refuses the conversation (its `raise_exception`) is the client's 400."""
+        messages = [m.template_turn() for m in body.messages]
+        try:
+            return [chat_prompt_ids(tokenizer, messages, body.offered_tools)]
+        except TemplateError as error:
+            raise bad_request(f"messages: {error}", "messages") from None
+
+    def opening(self, num_choices: int) -> list[BaseModel]:
+        """OpenAI names the role in each choice's first delta."""
+        return [
+            self._chunk(s.ChatChunkChoice(index=i, delta=s.ChatDelta(role="assistant", content="")))
+            for i in range(num_choices)
+        ]
+
+    def delta(self, index: int, output: RequestOutput, choice: ChoiceProgress) -> BaseModel:
+        """A `chat.completion.chunk` with the choice's new content and call deltas."""
+        logprobs = None
+        if self.with_logprobs:
+            new_logprobs = output.new_logprobs or []
+            logprobs = chat_logprobs(self.tokenizer, output.new_token_ids, new_logprobs)
+        stream = self.tool_streams.setdefault(index, ToolCallStream())
+        content, calls = stream.push(output.new_text, final=output.finished)
+        finish_reason = _finish_reason(output)
+        if finish_reason == "stop" and stream.num_calls:
+            finish_reason = "tool_calls"
+        delta = s.ChatDelta(content=content, tool_calls=[_call_delta(c) for c in calls] or None)
+        return self._chunk(
+            s.ChatChunkChoice(
+                index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
+            )
+        )
+
+    def usage_chunk(self, usage: s.Usage) -> BaseModel:
+        """A chunk with no choices and the usage."""
+        return s.ChatCompletionChunk(
+            id=self.response_id, created=self.created, model=self.model, choices=[], usage=usage
+        )
+
+    def response(self, choices: list[ChoiceProgress]) -> BaseModel:
+        """A `chat.completion` with every choice and the usage."""
+        return s.ChatCompletionResponse(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=[self._choice(i, c) for i, c in enumerate(choices)],
+            usage=usage(choices),
+        )
+
+    def _choice(self, index: int, choice: ChoiceProgress) -> s.ChatChoice:
+        """A finished choice: its text, or the calls it made (finish_reason tool_calls)."""
+        content, calls = parse_tool_calls(choice.text)
+        finish_reason = choice.finish_reason
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        tool_calls = [
+            s.ToolCall(id=call_id(), function=s.FunctionCall(name=c.name, arguments=c.arguments))
+            for c in calls
+        ]
+        logprobs = None
+        if self.with_logprobs:
+            logprobs = chat_logprobs(self.tokenizer, choice.token_ids, choice.logprobs)
+        return s.ChatChoice(
+            index=index,
+            message=s.ChatResponseMessage(content=content, tool_calls=tool_calls or None),
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+        )
+
+    def _chunk(self, choice: s.ChatChunkChoice) -> s.ChatCompletionChunk:
+        return s.ChatCompletionChunk(
+            id=self.response_id, created=self.created, model=self.model, choices=[choice]
+        )
+
+
+class CompletionEndpoint(Endpoint):
+    """`/v1/completions`: raw prompts, text choices."""
+
+    schema = s.CompletionRequest
+
+    @staticmethod
+    def _prompts(body: s.CompletionRequest, tokenizer: Any) -> list[list[int]]:
+        """Each text prompt tokenized as is (no template); token-id prompts as sent, if
+        every id is in the tokenizer's vocabulary."""
+        prompts = []
+        for prompt in body.prompt:
+            if isinstance(prompt, str):
+                prompts.append(tokenizer.encode(prompt))
+            elif any(token >= len(tokenizer) for token in prompt):
+                message = f"prompt token ids must be below the vocabulary size {len(tokenizer)}"
+                raise bad_request(message, param="prompt")
+            else:
+                prompts.append(prompt)
+        return prompts
+
+    def delta(self, index: int, output: RequestOutput, choice: ChoiceProgress) -> BaseModel:
+        """A `text_completion` chunk with the choice's new text; an echoed prompt comes in
+        the choice's first chunk."""
+        first = len(choice.text_parts) == 1
+        echo = self._echo(choice) if first else None
+        offset = 0 if first else self._echo_length(choice) + len(choice.text) - len(output.new_text)
+        generated = _Scored(output.new_text, output.new_token_ids, output.new_logprobs or [])
+        return self._body([self._choice(index, echo, generated, offset, _finish_reason(output))])
+
+    def usage_chunk(self, usage: s.Usage) -> BaseModel:
+        """A chunk with no choices and the usage."""
+        return self._body([], usage)
+
+    def response(self, choices: list[ChoiceProgress]) -> BaseModel:
+        """A `text_completion` with every choice and the usage."""
+        return self._body(
+            [
+                self._choice(
+                    i, self._echo(c), _Scored(c.text, c.token_ids, c.logprobs), 0, c.finish_reason
+                )
+                for i, c in enumerate(choices)
+            ],
+            usage(choices),
+        )
+
+    def _choice(
+        self,
+        index: int,
+        echo: _Scored | None,
+        generated: _Scored,
+        text_offset: int,
+        finish_reason: str | None,
+    ) -> s.CompletionChoice:
+        """A choice of the generated part, after the echoed prompt when there is one."""
+        part = generated if echo is None else echo + generated
+        rendered = (
+            completion_logprobs(self.tokenizer, part.token_ids, part.logprobs, text_offset)
+            if self.with_logprobs
+            else None
+        )
+        return s.CompletionChoice(
+            index=index, text=part.text, logprobs=rendered, finish_reason=finish_reason
+        )
+
+    def _echo(self, choice: ChoiceProgress) -> _Scored | None:
+        """The choice's prompt with its tokens' scores, when echoing."""
+        if not self.echo:
+            return None
+        prompt = self.echo[choice.prompt_index]
+        scores = choice.prompt_logprobs or [None] * len(prompt.token_ids)
+        return _Scored(prompt.text, prompt.token_ids, scores)
+
+    def _echo_length(self, choice: ChoiceProgress) -> int:
+        return len(self.echo[choice.prompt_index].text) if self.echo else 0
+
+    def _body(self, choices: list[s.CompletionChoice], usage: s.Usage | None = None) -> BaseModel:
+        return s.CompletionResponse(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+        )
+
+
+class _Scored(NamedTuple):
+    """Text, its token ids and their scores (None where a token has none)."""
+
+    text: str
+    token_ids: Sequence[int]
+    logprobs: Sequence[TokenLogprob | None]
+
+    def __add__(self, other: object) -> _Scored:  # type: ignore[override]
+        """This part followed by `other` (an echoed prompt, then its completion)."""
+        assert isinstance(other, _Scored)
+        return _Scored(
+            self.text + other.text,
+            [*self.token_ids, *other.token_ids],
+            [*self.logprobs, *other.logprobs],
+        )
+
+
+def _call_delta(delta: CallDelta) -> s.ToolCallDelta:
+    """OpenAI's shape of a call delta: id, type and name in the call's first only."""
+    return s.ToolCallDelta(
+        index=delta.index,
+        id=delta.id,
+        type="function" if delta.id else None,
+        function=s.FunctionCallDelta(name=delta.name, arguments=delta.arguments),
+    )
+
+
+def _finish_reason(output: RequestOutput) -> str | None:
+    return output.finish_reason if output.finished else None
+
+
+ENDPOINTS: dict[str, type[Endpoint]] = {
+    "/v1/chat/completions": ChatEndpoint,
+    "/v1/completions": CompletionEndpoint,
+}
+"""Each completion endpoint's path: the ingress's routes and the endpoints a batch may target."""

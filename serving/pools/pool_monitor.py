@@ -1,0 +1,173 @@
+"""Each pool's live load as the ingress sees it: sequences in flight and polled engine stats.
+
+Sequences in flight are tracked here, exact and instant (priority, prompt
+length, tokens so far), so placement reacts to a burst before the next poll.
+Engine stats are polled from every replica: the fitted step cost that turns
+that work into predicted latencies (policies/latency.py), KV usage and queue
+for metrics, and the live replica count that sizes a pool's capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from engine.outputs import EngineStats
+from policies.latency import InFlight, PoolState, StepCost
+from serving.config import PoolConfig
+from serving.pools.calls import within
+from serving.pools.pool import ReplicaStats
+
+log = logging.getLogger(__name__)
+
+STALE_AFTER_POLLS = 3
+"""A replica not heard from in this many poll periods is counted as gone."""
+POLL_TIMEOUT_POLLS = STALE_AFTER_POLLS
+"""A stats call unanswered after this many poll periods is cancelled: a pool with no
+live replica (its node lost) would otherwise hold every later poll of every pool."""
+
+
+TYPICAL_OUTPUT_TOKENS = 128
+"""Expected output length before any request has finished on a pool."""
+OUTPUT_EWMA = 0.1
+"""Weight of each finished sequence in a pool's typical output length."""
+
+
+@dataclass
+class _Seen:
+    stats: EngineStats
+    at_s: float
+
+
+@dataclass(eq=False)
+class TrackedSequence:
+    """One sequence the ingress sent to a pool; the ingress updates its output count."""
+
+    priority: int
+    num_prompt_tokens: int
+    max_tokens: int
+    num_output_tokens: int = 0
+
+
+class PoolMonitor:
+    """Each pool's live load for routing, admission, metrics and health."""
+
+    def __init__(
+        self, pools: dict[str, PoolConfig], handles: dict[str, Any], poll_interval_s: float
+    ):
+        self._pools = pools
+        self._handles = handles
+        self._poll_interval_s = poll_interval_s
+        self._in_flight: dict[str, list[TrackedSequence]] = {name: [] for name in pools}
+        self._typical_output = dict.fromkeys(pools, float(TYPICAL_OUTPUT_TOKENS))
+        self._replicas: dict[str, dict[str, _Seen]] = {name: {} for name in pools}
+        self._max_model_len: dict[str, int] = {}
+        self._unavailable: dict[str, str] = {}
+        self.replica_seconds = dict.fromkeys(pools, 0.0)
+        """Replica time spent so far per pool: the basis of the cost metric."""
+
+    @contextmanager
+    def track(self, pool: str, sequences: list[TrackedSequence]) -> Iterator[None]:
+        """Count `sequences` as in flight on `pool` for the duration of the block; when it
+        ends, their output lengths teach the pool's typical output length."""
+        self._in_flight[pool].extend(sequences)
+        try:
+            yield
+        finally:
+            for sequence in sequences:
+                self._in_flight[pool].remove(sequence)
+                typical = self._typical_output[pool]
+                typical += OUTPUT_EWMA * (sequence.num_output_tokens - typical)
+                self._typical_output[pool] = typical
+
+    def state(self, pool: str) -> PoolState:
+        """The pool now, as placement reads it (policies/latency.py)."""
+        config = self._pools[pool]
+        stats = self.replica_stats(pool)
+        return PoolState(
+            name=pool,
+            num_replicas=len(stats),
+            max_num_seqs=config.engine.max_num_seqs,
+            max_num_batched_tokens=config.engine.max_num_batched_tokens,
+            cost=_mean_step_cost(stats),
+            in_flight=tuple(self._in_flight_view(pool)),
+            max_queued=config.max_queued_requests,
+            cost_per_1k_tokens=config.estimated_cost_per_1k_tokens,
+            max_request_tokens=config.max_request_tokens,
+        )
+
+    def states(self) -> dict[str, PoolState]:
+        """Every pool's state."""
+        return {name: self.state(name) for name in self._pools}
+
+    def _in_flight_view(self, pool: str) -> Iterator[InFlight]:
+        typical = self._typical_output[pool]
+        for s in self._in_flight[pool]:
+            left = s.max_tokens - s.num_output_tokens
+            expected = min(left, max(1.0, typical - s.num_output_tokens))
+            yield InFlight(
+                s.priority, s.num_prompt_tokens, round(expected), s.num_output_tokens > 0
+            )
+
+    def max_model_len(self, pool: str) -> int:
+        """The pool's context length, as its replicas last reported it (placement only
+        chooses pools with a live replica, so it has been heard)."""
+        return self._max_model_len[pool]
+
+    def replica_stats(self, pool: str) -> list[EngineStats]:
+        """The latest stats of each live replica of `pool`."""
+        fresh_after_s = time.monotonic() - STALE_AFTER_POLLS * self._poll_interval_s
+        return [seen.stats for seen in self._replicas[pool].values() if seen.at_s >= fresh_after_s]
+
+    def unavailable_reason(self, pool: str) -> str | None:
+        """Why a pool with no live replica is waiting (its model is still being made), as
+        its replicas said; None for a pool that is live or simply down."""
+        return None if self.replica_stats(pool) else self._unavailable.get(pool)
+
+    async def poll_forever(self) -> None:
+        """Refresh replica stats every period, each pool on its own clock (a pool whose
+        calls go unanswered must not age the others' stats); runs for the life of the
+        ingress."""
+        await asyncio.gather(*(self._poll_forever(name) for name in self._pools))
+
+    async def _poll_forever(self, pool: str) -> None:
+        last_s = time.monotonic()
+        while True:
+            await self._poll(pool)
+            await asyncio.sleep(self._poll_interval_s)
+            now_s = time.monotonic()
+            self.replica_seconds[pool] += len(self.replica_stats(pool)) * (now_s - last_s)
+            last_s = now_s
+
+    async def poll_once(self) -> None:
+        """Ask every pool's replicas for their stats once."""
+        await asyncio.gather(*(self._poll(name) for name in self._pools))
+
+    async def _poll(self, pool: str) -> None:
+        # Serve routes each call to some replica; asking as often as there can be
+        # replicas reaches most of them each period, and stale ones age out.
+        timeout_s = POLL_TIMEOUT_POLLS * self._poll_interval_s
+        calls = [self._handles[pool].stats.remote() for _ in range(self._pools[pool].max_replicas)]
+        answers = (within(call, timeout_s) for call in calls)
+        for result in await asyncio.gather(*answers, return_exceptions=True):
+            if not isinstance(result, ReplicaStats):
+                log.warning("stats poll of pool %s failed: %r", pool, result)
+            elif result.engine is None:  # alive, but its model is still being made
+                self._unavailable[pool] = result.unavailable or "no engine yet"
+            else:
+                self._replicas[pool][result.replica_id] = _Seen(result.engine, time.monotonic())
+                self._max_model_len[pool] = result.max_model_len
+                self._unavailable.pop(pool, None)
+
+
+def _mean_step_cost(stats: list[EngineStats]) -> StepCost:
+    """The replicas' fitted step costs, averaged (zero before any replica reported)."""
+    if not stats:
+        return StepCost(0.0, 0.0, 0.0)
+    columns = zip(*(s.step_cost_s for s in stats), strict=True)
+    return StepCost(*(sum(column) / len(stats) for column in columns))

@@ -1,0 +1,204 @@
+"""A model-free engine and tokenizer that honour the engine contract, for deployment tests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from engine.config import EngineConfig
+from engine.model.students import STUDENT_MODEL, latest_student
+from engine.outputs import EngineStats, RequestOutput
+from engine.request import DEFAULT_URGENCY, Urgency
+from engine.sampling_params import SamplingParams
+from serving.pools.pool import ReplicaStats
+
+TOKEN_DELAY_S = 0.005
+FAIL_MARKER = "<fake-fault>"
+"""A prompt containing this makes the fake engine raise a RuntimeError: an unexpected fault."""
+FAKE_NUM_DRAFTS = 10
+"""Drafts a speculating fake reports, each as long as `spec_accepted_per_pos`."""
+
+
+class FakeTokenizer:
+    """One token per character: counts are easy to predict in tests."""
+
+    chat_template = "<role>content"
+    """Renders roles and contents only, as the default model's does (tools in Hermes text)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """One id per character."""
+        return [ord(c) for c in text]
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The characters of the ids."""
+        return "".join(chr(t) for t in token_ids)
+
+    def __len__(self) -> int:
+        """Every Unicode code point is a token."""
+        return 0x110000
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        tokenize: bool,
+        add_generation_prompt: bool,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """Roles as tags, the assistant turn opened."""
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+class FakeEngine:
+    """Writes a, b, c, ... one token every `token_delay_s` until max_tokens; tracks live
+    requests. A prompt containing FAIL_MARKER fails with a RuntimeError (a bug, not a 400)."""
+
+    token_delay_s = TOKEN_DELAY_S
+    batch_limited = False
+    """True: at most max_num_seqs requests run at once; the rest wait (num_waiting, queue time)."""
+    prefix_caching = False
+    """True: a prompt's full blocks already seen by this engine count as num_cached_tokens."""
+    stats_fail = False
+    """True: `stats()` raises, as for an engine whose load nobody can read."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.model == STUDENT_MODEL:  # as the real loader: no student yet, no engine
+            latest_student(config.cache_dir)
+        self.tokenizer = FakeTokenizer()
+        self.max_model_len = config.max_model_len or 256
+        self._max_num_seqs = config.max_num_seqs
+        self._block_size = config.block_size
+        self._batch = asyncio.Semaphore(config.max_num_seqs)
+        self._num_waiting = 0
+        self._cached_prefixes: set[tuple[int, ...]] = set()
+        self._running: set[str] = set()
+        self.alive = True
+        """Set False to play an engine whose step loop died."""
+        self.spec_accepted_per_pos: list[int] = []
+        """Accepted draft tokens per position; non-empty plays a speculating engine."""
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        urgency: Urgency = DEFAULT_URGENCY,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one token per delay, as the engine's deltas."""
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt + max_tokens exceeds max_model_len ({self.max_model_len})")
+        if FAIL_MARKER in self.tokenizer.decode(prompt_token_ids):
+            raise RuntimeError("fake engine fault: internal detail")
+        queue_time_s = await self._wait_for_slot()
+        num_cached_tokens = self._cache_prefix(prompt_token_ids)
+        self._running.add(request_id)
+        try:
+            for i in range(params.max_tokens):
+                await asyncio.sleep(self.token_delay_s)
+                token_id = ord("a") + i % 26
+                last = i == params.max_tokens - 1
+                yield RequestOutput(
+                    request_id=request_id,
+                    new_token_ids=[token_id],
+                    new_text=chr(token_id),
+                    finished=last,
+                    finish_reason="length" if last else None,
+                    num_prompt_tokens=len(prompt_token_ids),
+                    num_output_tokens=i + 1,
+                    num_cached_tokens=num_cached_tokens,
+                    queue_time_s=queue_time_s,
+                )
+        finally:
+            self._running.discard(request_id)
+            if self.batch_limited:
+                self._batch.release()
+
+    async def _wait_for_slot(self) -> float | None:
+        """Seconds waited for a batch slot when batch_limited, else None (no queue)."""
+        if not self.batch_limited:
+            return None
+        arrival_s = time.monotonic()
+        self._num_waiting += 1
+        try:
+            await self._batch.acquire()
+        finally:
+            self._num_waiting -= 1
+        return time.monotonic() - arrival_s
+
+    def _cache_prefix(self, prompt_token_ids: list[int]) -> int:
+        """Tokens of the prompt's leading full blocks seen before; then remembers its blocks."""
+        if not self.prefix_caching:
+            return 0
+        ends = range(self._block_size, len(prompt_token_ids) + 1, self._block_size)
+        blocks = [tuple(prompt_token_ids[:end]) for end in ends]
+        num_cached = next(
+            (i for i, b in enumerate(blocks) if b not in self._cached_prefixes), len(blocks)
+        )
+        self._cached_prefixes.update(blocks)
+        return num_cached * self._block_size
+
+    def abort(self, request_id: str) -> None:
+        """Forget the request."""
+        self._running.discard(request_id)
+
+    def stats(self) -> EngineStats:
+        """Live requests as the running batch; the speculative counters if set."""
+        if self.stats_fail:
+            raise RuntimeError("fake engine: stats unavailable")
+        return EngineStats(
+            num_running=len(self._running),
+            num_waiting=self._num_waiting,
+            kv_cache_usage=len(self._running) / self._max_num_seqs,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            num_preemptions=0,
+            generation_tokens_per_s=0.0,
+            spec_num_drafts=FAKE_NUM_DRAFTS if self.spec_accepted_per_pos else 0,
+            spec_num_draft_tokens=FAKE_NUM_DRAFTS * len(self.spec_accepted_per_pos),
+            spec_num_accepted_tokens=sum(self.spec_accepted_per_pos),
+            spec_accepted_per_pos=list(self.spec_accepted_per_pos),
+        )
+
+    def is_alive(self) -> bool:
+        """The `alive` flag."""
+        return self.alive
+
+
+class SlowFakeEngine(FakeEngine):
+    """A fake slow enough (50 ms a token) to be caught mid-stream."""
+
+    token_delay_s = 0.05
+
+
+class QueueingFakeEngine(FakeEngine):
+    """Runs at most max_num_seqs requests at once (20 ms a token), queues the rest, and caches
+    prompt prefixes: load and cache state a router and an autoscaler can act on."""
+
+    token_delay_s = 0.02
+    batch_limited = True
+    prefix_caching = True
+
+
+class StatslessQueueingFakeEngine(QueueingFakeEngine):
+    """A QueueingFakeEngine whose stats call fails: a replica no router can see the load of."""
+
+    stats_fail = True
+
+
+class FakePoolHandle:
+    """Stands in for a pool's DeploymentHandle where only `handle.stats.remote()` is used:
+    answers the fake engine's stats, or, with no engine (a pool without replicas), never."""
+
+    def __init__(self, engine: FakeEngine | None) -> None:
+        self.stats = self
+        self._engine = engine
+        self.calls: list[asyncio.Future[ReplicaStats]] = []
+
+    def remote(self) -> asyncio.Future[ReplicaStats]:
+        """A cancellable call, as a DeploymentResponse is."""
+        call: asyncio.Future[ReplicaStats] = asyncio.get_running_loop().create_future()
+        if self._engine is not None:
+            engine = self._engine
+            call.set_result(ReplicaStats("r0", engine.stats(), engine.max_model_len))
+        self.calls.append(call)
+        return call

@@ -1,0 +1,89 @@
+"""Integration-test helpers: the app on a private Ray cluster, and its metrics and logs.
+/metrics read back by name and labels, the ingress's request log read back from the Ray
+session's files."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ray
+
+from bench.paths import REPO_ROOT
+from engine.config import EngineConfig
+from serving.app_config import TierserveConfig, load_config
+from serving.pools.pool import EngineFactory
+from testing import local_cluster
+
+
+def fake_config(max_model_len: int = 4096, **updates: Any) -> TierserveConfig:
+    """configs/local.yaml sized for the fake engine (no model, `max_model_len` of context),
+    with stats polled every 0.1 s and `updates` applied to the top-level fields."""
+    base = load_config(REPO_ROOT / "configs" / "local.yaml")
+    pools = tuple(
+        pool.model_copy(
+            update={
+                "engine": EngineConfig(
+                    max_num_seqs=pool.engine.max_num_seqs, max_model_len=max_model_len
+                )
+            }
+        )
+        for pool in base.pools
+    )
+    data = {**base.model_dump(), "pools": pools, "stats_poll_interval_s": 0.1, **updates}
+    return TierserveConfig.model_validate(data)
+
+
+@contextmanager
+def serving(config: TierserveConfig, engine_cls: EngineFactory | None = None) -> Iterator[str]:
+    """local_cluster.serving, as the tests use it."""
+    with local_cluster.serving(config, engine_cls) as base_url:
+        yield base_url
+
+
+def metric(base_url: str, name: str, api_key: str | None = None, **labels: str) -> float:
+    """The first sample of `name` on /metrics whose labels include `labels`."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    text = httpx.get(f"{base_url}/metrics", headers=headers).text
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(w in line for w in want):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(f"{name} {labels} not in /metrics")
+
+
+def wait_for_metric(
+    base_url: str,
+    name: str,
+    value: float,
+    timeout_s: float,
+    api_key: str | None = None,
+    **labels: str,
+) -> None:
+    """Poll until the metric reads `value` (stats reach /metrics one poll period late)."""
+    deadline = time.monotonic() + timeout_s
+    while metric(base_url, name, api_key, **labels) != value and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(base_url, name, api_key, **labels) == value
+
+
+def request_log(request_id: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The ingress's log line for `request_id`, read from the replica log files of the Ray
+    session this process is connected to (<temp dir>/session_latest/logs/serve/)."""
+    logs_dir = Path(ray.get_runtime_context().get_temp_dir()) / "session_latest" / "logs" / "serve"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for path in logs_dir.glob("replica_tierserve_Ingress_*.log"):
+            for line in path.read_text(errors="replace").splitlines():
+                start = line.find('{"request_id": "')
+                if start >= 0 and request_id in line:
+                    fields, _ = json.JSONDecoder().raw_decode(line[start:])
+                    return fields
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no log line for {request_id} under {logs_dir}")
+        time.sleep(0.2)

@@ -1,0 +1,369 @@
+"""The Serve app end to end with the real engine: real Ray Serve, HTTP and the `openai` client.
+
+One app for the module (two pools, each one fp32 engine on the default model,
+one torch thread); every request is a few greedy tokens so the module runs
+in about a minute. Counts are checked against the real tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import httpx
+import openai
+import pydantic
+import pytest
+
+from serving.app_config import TierserveConfig, load_config
+from testing.serve_harness import metric, serving, wait_for_metric
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 1024
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _config() -> TierserveConfig:
+    """configs/local.yaml (speculation on the interactive pool), with small exact engines:
+    unquantized, so both pools give the same greedy text
+    (tests/unit/engine/test_quant_loader.py covers the quantized load path)."""
+    base = load_config("configs/local.yaml")
+    small = {"dtype": "float32", "num_kv_blocks": 64, "max_model_len": MAX_MODEL_LEN, "quant": None}
+    pools = tuple(
+        pool.model_copy(update={"engine": replace(pool.engine, **small)}) for pool in base.pools
+    )
+    return base.model_copy(update={"pools": pools, "stats_poll_interval_s": 0.1})
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    with serving(_config()) as url:
+        yield url
+
+
+@pytest.fixture
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def _num_chat_tokens(tokenizer, messages: list[dict[str, str]]) -> int:
+    """The prompt length by the tokenizer's own tokenizing template (not the ingress's path)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return len(ids if isinstance(ids, list) else ids["input_ids"])  # transformers 5: a mapping
+
+
+def test_greedy_chat_answers_and_counts_tokens(client: openai.OpenAI, tokenizer) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=12,
+        extra_headers={"X-SLA-Tier": "interactive"},
+    )  # fmt: skip
+    completion = raw.parse()
+    answer = completion.choices[0].message.content
+    assert "Paris" in answer
+    assert raw.headers["x-tierserve-pool"] == "interactive"
+    usage = completion.usage
+    assert usage.prompt_tokens == _num_chat_tokens(tokenizer, QUESTION)
+    num_answer_tokens = len(tokenizer.encode(answer, add_special_tokens=False))
+    if completion.choices[0].finish_reason == "stop":  # the end token is counted, not shown
+        assert usage.completion_tokens == num_answer_tokens + 1
+    else:
+        assert usage.completion_tokens == 12
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_stream_on_the_offline_pool_matches_the_speculating_pool(client: openai.OpenAI) -> None:
+    """Greedy text is the same streamed or not, with speculation (interactive) or without."""
+    whole = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=12
+    )
+    stream = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=12, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"X-SLA-Tier": "batch"},
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage == whole.usage
+
+
+@pytest.mark.parametrize(
+    ("tier", "pool"),
+    # interactive keeps to its own pool while it is idle; standard may take either (the
+    # cheaper one predicted to meet its SLO); batch runs only on offline
+    [("interactive", {"interactive"}), ("standard", {"interactive", "offline"}),
+     ("batch", {"offline"})],
+)  # fmt: skip
+def test_tier_header_routes_to_the_configured_pool(
+    client: openai.OpenAI, tier: str, pool: set[str]
+) -> None:
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="Hello", max_tokens=1, extra_headers={"X-SLA-Tier": tier}
+    )
+    assert raw.headers["x-tierserve-pool"] in pool
+    assert raw.parse().usage.completion_tokens == 1
+
+
+def test_completion_usage_counts_the_prompt_tokens(client: openai.OpenAI, tokenizer) -> None:
+    prompt = "The quick brown fox jumps over"
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    assert completion.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert completion.usage.completion_tokens == 3
+
+
+def test_disconnect_mid_stream_frees_the_kv_blocks(base_url: str) -> None:
+    body = {
+        "model": MODEL, "messages": QUESTION, "max_tokens": 500, "ignore_eos": True,
+        "stream": True,
+    }  # fmt: skip
+    headers = {"X-SLA-Tier": "batch"}
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=headers) as r:
+        lines = r.iter_lines()  # kept: a dropped iterator would close the stream at once
+        next(lines)
+        wait_for_metric(base_url, "vllm:num_requests_running", 1, timeout_s=5, pool="offline")
+        assert metric(base_url, "vllm:kv_cache_usage_perc", pool="offline") > 0
+    wait_for_metric(base_url, "vllm:num_requests_running", 0, timeout_s=5, pool="offline")
+    wait_for_metric(base_url, "vllm:kv_cache_usage_perc", 0, timeout_s=5, pool="offline")
+
+
+def test_context_length_exceeded_names_the_real_token_counts(base_url: str, tokenizer) -> None:
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": MAX_MODEL_LEN}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    num_prompt = _num_chat_tokens(tokenizer, QUESTION)
+    for number in (MAX_MODEL_LEN, num_prompt + MAX_MODEL_LEN, num_prompt):
+        assert str(number) in error["message"]
+
+
+@pytest.mark.parametrize("tier", ["interactive", "batch"])
+def test_a_seeded_request_gives_the_same_text_cold_warm_and_in_a_busy_batch(
+    client: openai.OpenAI, tier: str
+) -> None:
+    """Five runs of one seeded sampling request on each pool (speculating interactive,
+    plain offline): the first computes the whole prompt, the next reads it from the prefix
+    cache, the last three share their steps with other requests."""
+    messages = [{"role": "user", "content": f"Invent a name for a {tier} sailing boat."}]
+    extra = {"extra_headers": {"X-SLA-Tier": tier}}
+
+    def seeded() -> str:
+        completion = client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0.9, seed=1234, max_tokens=16, **extra
+        )
+        return completion.choices[0].message.content
+
+    def other(i: int) -> bool:
+        """One request beside the seeded one; False if the tier turned it away."""
+        question = [{"role": "user", "content": f"Count to {i + 3} in words, then explain. " * i}]
+        try:
+            client.chat.completions.create(
+                model=MODEL, messages=question, temperature=1.0, max_tokens=12, **extra
+            )
+        except openai.RateLimitError:
+            return False
+        return True
+
+    texts = [seeded(), seeded()]
+    num_served_beside = 0
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            # The seeded request first, so that an interactive pool under its SLO does
+            # not turn it away; the others join its batch while it decodes.
+            run = pool.submit(seeded)
+            time.sleep(0.2)
+            busy = [pool.submit(other, i) for i in range(1, 4)]
+            texts.append(run.result())
+            num_served_beside += sum(future.result() for future in busy)
+    assert texts == [texts[0]] * 5
+    assert num_served_beside > 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_name_each_token_with_its_likeliest_alternatives(
+    client: openai.OpenAI, stream: bool
+) -> None:
+    request = dict(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=6, logprobs=True,
+        top_logprobs=3, stream=stream, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    if stream:
+        chunks = list(client.chat.completions.create(**request))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        entries = [e for c in chunks if c.choices and c.choices[0].logprobs
+                   for e in c.choices[0].logprobs.content]  # fmt: skip
+    else:
+        completion = client.chat.completions.create(**request)
+        text = completion.choices[0].message.content
+        entries = completion.choices[0].logprobs.content
+    assert len(entries) == 6
+    assert "".join(e.token for e in entries) == text
+    for entry in entries:  # greedy: the chosen token is the likeliest
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.logprob <= 0 and bytes(entry.bytes).decode() == entry.token
+
+
+def test_completion_logprobs_are_parallel_lists_with_offsets(client: openai.OpenAI) -> None:
+    completion = client.completions.create(
+        model=MODEL, prompt="The quick brown fox", max_tokens=5, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    choice = completion.choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 5
+    assert "".join(logprobs.tokens) == choice.text
+    assert logprobs.text_offset == [
+        sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))
+    ]
+    for token, logprob, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        assert len(top) == 2 and max(top, key=top.get) == token
+        assert logprob == pytest.approx(top[token])
+
+
+def test_logprobs_out_of_range_or_without_the_switch_are_400(base_url: str) -> None:
+    bodies = [
+        {"messages": QUESTION, "top_logprobs": 2},  # OpenAI requires logprobs: true
+        {"messages": QUESTION, "logprobs": True, "top_logprobs": 21},
+        {"prompt": "Hi", "logprobs": -1},
+    ]
+    for body in bodies:
+        path = "chat/completions" if "messages" in body else "completions"
+        response = httpx.post(f"{base_url}/v1/{path}", json={"model": MODEL, **body}, timeout=30)
+        assert response.status_code == 400, body
+        assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(
+    client: openai.OpenAI, tokenizer, stream: bool
+) -> None:
+    """lm-evaluation-harness's log-likelihood request: echo, logprobs=1, one new token."""
+    prompt = "The capital of France is Paris"
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True,
+        stream=stream, extra_headers={"X-SLA-Tier": "batch"},
+    )  # fmt: skip
+    choices = [c for chunk in response for c in chunk.choices] if stream else response.choices
+    text = "".join(c.text for c in choices)
+    tokens = [t for c in choices for t in c.logprobs.tokens]
+    scores = [lp for c in choices for lp in c.logprobs.token_logprobs]
+    num_prompt = len(tokenizer.encode(prompt))
+    assert text.startswith(prompt) and len(tokens) == len(scores) == num_prompt + 1
+    assert "".join(tokens) == text
+    assert scores[0] is None  # nothing predicts the first token
+    assert all(score is not None and score <= 0 for score in scores[1:])
+    offsets = [o for c in choices for o in c.logprobs.text_offset]
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+def test_token_id_prompts_answer_as_their_text_does(
+    client: openai.OpenAI, base_url: str, tokenizer
+) -> None:
+    """lm-eval's local-completions sends prompts as token ids (a batch of them at once)."""
+    texts = ["The capital of France is", "One, two, three,"]
+    ids = [tokenizer.encode(text) for text in texts]
+    asked = dict(model=MODEL, max_tokens=4, temperature=0, logprobs=1, echo=True)
+    by_text = client.completions.create(prompt=texts, **asked)
+    by_ids = client.completions.create(prompt=ids, **asked)
+    for text, tokens in zip(by_text.choices, by_ids.choices, strict=True):
+        assert tokens.text == text.text
+        assert tokens.logprobs.token_logprobs == text.logprobs.token_logprobs
+    single = client.completions.create(prompt=ids[0], **asked)
+    assert single.choices[0].text == by_text.choices[0].text
+    too_big = {"model": MODEL, "prompt": [len(tokenizer)], "max_tokens": 1}
+    response = httpx.post(f"{base_url}/v1/completions", json=too_big, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+
+
+# ---- structured outputs and tool calls through the server (issue 29) ---------------------
+
+
+class City(pydantic.BaseModel):
+    """What `chat.completions.parse` turns into a strict json_schema response_format."""
+
+    name: str
+    population: int
+    coastal: bool
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("tier", ["interactive", "batch"])
+def test_parse_with_a_pydantic_model_answers_in_its_schema(client: openai.OpenAI, tier) -> None:
+    """The openai client's structured outputs, unchanged, on the speculating pool and on the
+    other; sampled at temperature 1.0."""
+    completion = client.chat.completions.parse(
+        model=MODEL, messages=QUESTION, response_format=City, temperature=1.0, seed=3,
+        max_tokens=80, extra_headers={"X-SLA-Tier": tier},
+    )  # fmt: skip
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, City)
+
+
+def test_json_schema_streamed_validates(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 30}}}
+    stream = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=1.0, seed=4, max_tokens=60, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert isinstance(json.loads(text).get("answer", ""), str)
+
+
+def test_a_schema_the_library_refuses_is_a_400_naming_the_field(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=5,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "x", "schema": {"type": "strin"}}},
+        )  # fmt: skip
+    assert caught.value.body["param"] == "response_format"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_tool_call_comes_back_in_openais_shape(client: openai.OpenAI, stream) -> None:
+    asked = dict(
+        model=MODEL, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice="required",
+        parallel_tool_calls=False, temperature=0, max_tokens=60,
+    )  # fmt: skip
+    if stream:
+        calls: dict[int, dict[str, str]] = {}
+        finish_reason = None
+        for chunk in client.chat.completions.create(stream=True, **asked):
+            for delta in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
+                call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+            finish_reason = chunk.choices[0].finish_reason if chunk.choices else finish_reason
+        assert finish_reason == "tool_calls"
+        assert [call["name"] for call in calls.values()] == ["get_weather"]
+        assert isinstance(json.loads(calls[0]["arguments"])["city"], str)
+        return
+    choice = client.chat.completions.create(**asked).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)

@@ -1,0 +1,89 @@
+"""Labelling prompts with both models, and `tierserve router train` on a labelled set and on
+an ingress request log: real engines (the default model and a tiny student)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from cli.main import main
+from cli.router import logged_requests
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.model.chat import chat_prompt_ids
+from engine.model.students import latest_student
+from policies.difficulty import DifficultyModel
+from small_model.labels import RoutePrompt, greedy_answers, label_prompts, mean_logprobs
+
+PROMPTS = [
+    RoutePrompt("What is the capital of France? Answer with just the city name.", 8, "Paris"),
+    RoutePrompt("What is 2 plus 3? Answer with just the number.", 8, "5"),
+    RoutePrompt("Write one sentence about the sea.", 12),
+]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_student_cache):
+    default = LLMEngine(EngineConfig(model="default", num_kv_blocks=64))
+    small = LLMEngine(EngineConfig(model="student", cache_dir=tiny_student_cache, num_kv_blocks=64))
+    return default, small
+
+
+def test_labels_score_checkable_answers_by_match_and_open_ones_by_likelihood(engines):
+    default, small = engines
+    labelled = label_prompts(PROMPTS, default, small)
+    paris, five, sentence = labelled
+    assert paris.quality_default == 1.0 and "Paris" in paris.default_text
+    for item in labelled:
+        assert 0.0 <= item.quality_small <= 1.0 and 0.0 <= item.label <= 1.0
+        assert item.features["log_max_tokens"] == pytest.approx(math.log1p(item.prompt.max_tokens))
+    assert sentence.quality_default == 1.0
+    # A 2-layer student after 2 steps writes nothing the teacher would: little is kept.
+    assert sentence.quality_small < 0.5
+
+
+def test_the_teacher_prefers_its_own_answer(engines):
+    default, _ = engines
+    prompt = chat_prompt_ids(default.tokenizer, "Name three colours.")
+    own = greedy_answers(default, [prompt], [10])[0]
+    garbled = list(reversed(own))
+    mine, other = mean_logprobs(default, [prompt, prompt], [own, garbled])
+    assert mine > other
+    assert mean_logprobs(default, [prompt], [[]]) == [-math.inf]
+
+
+def test_router_train_on_a_labelled_set_writes_router_and_report(tmp_path, tiny_student_cache):
+    rows = [
+        {"split": split, "prompt": p.text, "max_tokens": p.max_tokens, "answer": p.answer}
+        for split in ("train", "eval")
+        for p in PROMPTS
+    ]
+    labelled = tmp_path / "set.jsonl"
+    labelled.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "router.json"
+    student = str(latest_student(tiny_student_cache))
+    args = ["router", "train", "--set", str(labelled), "--out", str(out)]
+    assert main([*args, "--small-model", student, "--share", "0.34"]) == 0
+    model = DifficultyModel.load(out)
+    assert model.target_share == 0.34
+    report = json.loads((tmp_path / "router.report.json").read_text())
+    assert report["num_prompts"] == len(PROMPTS)
+    assert len(report["router"]) == len(report["shares"]) == 11
+
+
+def test_logged_requests_are_read_once_each_from_ingress_log_lines(tmp_path: Path):
+    line = '{"request_id": "%s", "request_text": "%s", "max_tokens": %s}'
+    log = tmp_path / "replica_tierserve_Ingress_x.log"
+    log.write_text(
+        "INFO 2026-12-01 ingress -- "
+        + line % ("a", "What is 2+2?", 8)
+        + "\nnoise line\n"
+        + line % ("b", "What is 2+2?", 8)  # a repeat: once is enough
+        + "\n"
+        + line % ("c", "Tell me a joke.", "null")
+        + '\n{"request_id": "d"}\n'  # logged without log_prompts: no text
+    )
+    assert list(logged_requests([log])) == [("What is 2+2?", 8), ("Tell me a joke.", 64)]
