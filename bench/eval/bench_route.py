@@ -33,11 +33,12 @@ from engine.engine import LLMEngine
 from engine.model.batch_invariance import request_reproducible_blas
 from engine.model.students import CARD_FILE, latest_student
 from engine.sampling_params import SamplingParams
-from policies.difficulty import DifficultyModel, fit_difficulty_model, prompt_features
+from policies.difficulty import DifficultyModel, prompt_features
 from small_model.data import LABELLED_SET
 from small_model.distill.card import decode_tokens_per_s
 from small_model.labels import RoutePrompt, label_prompts
 from small_model.report import route_report
+from small_model.router_fit import fit_difficulty_model
 
 BENCH = "route"
 SHARE = 0.5

@@ -19,10 +19,12 @@ from policies.difficulty import (
     MAX_CHARS,
     MAX_WORD_LENGTH,
     DifficultyModel,
+    prompt_features,
+)
+from small_model.router_fit import (
     auc_gain,
     calibrate_threshold,
     fit_difficulty_model,
-    prompt_features,
     quality_curve,
     random_curve,
     roc_auc,
