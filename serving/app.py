@@ -16,7 +16,7 @@ from serving.batch.runner import BatchRunner
 from serving.config import PoolConfig
 from serving.http.ingress import Ingress
 from serving.pools.pool import EngineFactory, Pool
-from serving.pools.replica_choice import request_router_config
+from serving.pools.replica_choice import replica_choice_config
 from serving.pools.scaling import autoscaling_config
 
 INGRESS_MAX_ONGOING_REQUESTS = 1024
@@ -105,6 +105,6 @@ def _pool_options(pool: PoolConfig) -> dict[str, object]:
         "max_ongoing_requests": pool.engine.max_num_seqs + pool.max_queued_requests + CONTROL_SLOTS,
         **scaling,
     }
-    if pool.router.enabled:
-        options["request_router_config"] = request_router_config(pool.router, pool.engine)
+    if pool.replica_choice.enabled:
+        options["request_router_config"] = replica_choice_config(pool.replica_choice, pool.engine)
     return options

@@ -53,11 +53,12 @@ class AutoscalingSettings(_Strict):
         return self
 
 
-class RouterSettings(_Strict):
-    """How a pool's request router picks a replica (serving/pools/replica_choice.py)."""
+class ReplicaChoiceSettings(_Strict):
+    """How a pool's replica choice (a Serve request router, serving/pools/replica_choice.py)
+    picks a replica."""
 
     enabled: bool = True
-    """Off, Serve's default power-of-two router picks the replica."""
+    """Off, Serve's default power-of-two choice picks the replica."""
 
     stats_period_s: float = Field(default=1.0, gt=0)
     """How often Serve reads each replica's engine load for routing (Serve's default is 10 s)."""
@@ -69,7 +70,7 @@ class RouterSettings(_Strict):
     """How much busier (fraction of batch or KV in use) than the least loaded replica the
     replica holding a prompt's prefix may be and still get the prompt."""
     max_prefixes: int = Field(default=4096, ge=1)
-    """Prefixes each router remembers the replica of (least recently used dropped first)."""
+    """Prefixes each chooser remembers the replica of (least recently used dropped first)."""
 
 
 class PoolConfig(_Strict):
@@ -82,7 +83,7 @@ class PoolConfig(_Strict):
     num_replicas: int = Field(default=1, ge=1)
     """Fixed replica count; ignored when `autoscaling` is set."""
     autoscaling: AutoscalingSettings | None = None
-    router: RouterSettings = RouterSettings()
+    replica_choice: ReplicaChoiceSettings = ReplicaChoiceSettings()
     """Replica choice inside the pool: load, KV headroom and prefix-cache affinity."""
     num_cpus: float = Field(default=0.0, ge=0)
     """CPUs reserved per replica in Ray; fractional or 0 lets small machines fit every pool."""

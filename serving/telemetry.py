@@ -83,7 +83,15 @@ class Telemetry:
         self.registry = CollectorRegistry()
         self._model_name = model_name
         self._pool_models = {name: pool.model_name for name, pool in pools.items()}
-        labels = ["model_name", "pool", "tier"]
+        self._register_request_metrics(["model_name", "pool", "tier"])
+        self._register_decision_metrics()
+        self._output_tokens_by_pool = dict.fromkeys(pools, 0)
+        self.registry.register(
+            _EngineCollector(model_name, pools, monitor, self._output_tokens_by_pool)
+        )
+
+    def _register_request_metrics(self, labels: list[str]) -> None:
+        """vLLM's per-request latency and token metrics, and the SLO counters."""
         r = self.registry
         self._ttft = Histogram(
             "vllm:time_to_first_token_seconds", "Time to first token.", labels,
@@ -116,6 +124,10 @@ class Telemetry:
             "tierserve:slo_met", "Completed requests that met their tier's TTFT and TPOT.",
             labels, registry=r,
         )  # fmt: skip
+
+    def _register_decision_metrics(self) -> None:
+        """What the ingress decided: placements, model choices, how far predictions missed."""
+        r = self.registry
         self._decisions = Counter(
             "tierserve:admission_decisions", "Placement decisions by tier, reason and pool.",
             ["tier", "reason", "pool"], registry=r,
@@ -130,8 +142,6 @@ class Telemetry:
             "TTFT and TPOT, by pool and metric: how far placement's latency model is off.",
             ["pool", "metric"], buckets=_PREDICTION_ERROR_BUCKETS_MS, registry=r,
         )  # fmt: skip
-        self._output_tokens_by_pool = dict.fromkeys(pools, 0)
-        r.register(_EngineCollector(model_name, pools, monitor, self._output_tokens_by_pool))
 
     def observe(self, record: RequestRecord) -> None:
         """Count a finished request in the metrics and write its log line."""

@@ -1,4 +1,4 @@
-"""The pools' request router: Serve's replica choice, fed by the engines' own load reports.
+"""Replica choice for the pools (a Serve request router), fed by the engines' own load reports.
 
 Thin glue over policies/replica_choice.py. Serve calls `choose_replicas` in the
 caller's process (the ingress) for every request to a pool; the replicas'
@@ -26,16 +26,18 @@ from policies.replica_choice import (
     prefix_hashes,
     rank_replicas,
 )
-from serving.config import RouterSettings
+from serving.config import ReplicaChoiceSettings
 from serving.pools.pool import PoolRequest
 
 _STATS_KEYS = frozenset({"num_running", "num_waiting", "max_num_seqs", "kv_cache_usage"})
 
 
-def request_router_config(settings: RouterSettings, engine: EngineConfig) -> RequestRouterConfig:
-    """The Serve option that puts PoolRequestRouter in front of a pool's replicas."""
+def replica_choice_config(
+    settings: ReplicaChoiceSettings, engine: EngineConfig
+) -> RequestRouterConfig:
+    """The Serve option that puts ReplicaChooser in front of a pool's replicas."""
     options: dict[str, Any] = {  # Ray annotates every keyword of the constructor as a dict
-        "request_router_class": PoolRequestRouter,
+        "request_router_class": ReplicaChooser,
         "request_router_kwargs": {
             "block_size": engine.block_size,
             "affinity_blocks": settings.affinity_blocks,
@@ -48,11 +50,11 @@ def request_router_config(settings: RouterSettings, engine: EngineConfig) -> Req
     return RequestRouterConfig(**options)
 
 
-class PoolRequestRouter(FIFOMixin, RequestRouter):
+class ReplicaChooser(FIFOMixin, RequestRouter):
     """Ranks a pool's replicas by free batch slots and KV use, keeping a shared prefix together.
 
     Each replica's load is its last routing stats, corrected upward by Serve's
-    live count of the requests this router has sent it, so a burst between
+    live count of the requests this chooser has sent it, so a burst between
     two stats reports spreads instead of piling onto the replica that looked
     idlest. Prompts are keyed by hashes of their leading KV blocks; the
     replica that last served a key gets the next prompt with it while it is
@@ -72,7 +74,7 @@ class PoolRequestRouter(FIFOMixin, RequestRouter):
         kv_cache_full: float,
         affinity_max_imbalance: float,
     ) -> None:
-        """Called by Serve with `request_router_kwargs` (see request_router_config)."""
+        """Called by Serve with `request_router_kwargs` (see replica_choice_config)."""
         self._block_size = block_size
         self._affinity_blocks = affinity_blocks
         self._affinity = PrefixAffinity(max_prefixes)

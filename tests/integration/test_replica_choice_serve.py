@@ -23,7 +23,7 @@ from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from serving.app import _pool_options
-from serving.config import PoolConfig, RouterSettings
+from serving.config import PoolConfig, ReplicaChoiceSettings
 from serving.pools.pool import EngineFactory, Pool, PoolRequest
 from testing.fakes import QueueingFakeEngine, StatslessQueueingFakeEngine
 
@@ -43,7 +43,7 @@ def _deploy(name: str, engine_cls: EngineFactory) -> DeploymentHandle:
         model_name="fake",
         engine=EngineConfig(max_num_seqs=2, block_size=BLOCK_SIZE),
         num_replicas=2,
-        router=RouterSettings(
+        replica_choice=ReplicaChoiceSettings(
             enabled=True, stats_period_s=STATS_PERIOD_S, affinity_max_imbalance=0.5
         ),
     )
