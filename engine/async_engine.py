@@ -21,14 +21,9 @@ from collections.abc import AsyncGenerator
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.engine_loop import (
-    Delivery,
-    EngineRequestError,
-    EngineThread,
-    abort_message,
-    add_message,
-)
+from engine.engine_loop import EngineRequestError, EngineThread
 from engine.engine_process import EngineProcess
+from engine.messages import AbortRequest, AddRequest, Delivery
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import DEFAULT_URGENCY, Urgency
 from engine.sampling_params import SamplingParams
@@ -71,7 +66,7 @@ class AsyncLLMEngine:
         if not self.core.is_alive(stall_timeout_s=math.inf):  # a slow step still serves
             del self._streams[request_id]
             raise RuntimeError("the engine loop is dead")
-        self.core.send(add_message(request_id, prompt_token_ids, params, urgency))
+        self.core.send(AddRequest(request_id, prompt_token_ids, params, urgency))
         finished = False
         try:
             while not finished:
@@ -89,7 +84,7 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (a no-op once it has finished)."""
-        self.core.send(abort_message(request_id))
+        self.core.send(AbortRequest(request_id))
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step or inbox message (safe to read from

@@ -22,15 +22,11 @@ import time
 from collections.abc import Callable
 
 from engine.engine import LLMEngine
-from engine.outputs import EngineStats, RequestOutput
+from engine.messages import AddRequest, Delivery, InboxMessage
+from engine.outputs import EngineStats
 from engine.prompt_limits import PromptLimits
-from engine.request import Urgency
-from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-Delivery = list[tuple[str, RequestOutput | BaseException]]
-"""Items for streams, by request id: an output, or the error that ends the stream."""
 
 Publish = Callable[[Delivery, EngineStats], None]
 """Where a core hands what its loop produced: the items, and the stats after them (the
@@ -39,18 +35,6 @@ async front keeps the stats and wakes the streams)."""
 
 class EngineRequestError(RuntimeError):
     """One request failed inside the engine (its sampling, its output, or its step)."""
-
-
-def add_message(
-    request_id: str, prompt: list[int], params: SamplingParams, urgency: Urgency
-) -> tuple:
-    """The inbox message that queues a request."""
-    return ("add", request_id, prompt, params, urgency)
-
-
-def abort_message(request_id: str) -> tuple:
-    """The inbox message that stops a request and frees its blocks."""
-    return ("abort", request_id)
 
 
 def is_stalled(step_started: ctypes.c_double, timeout_s: float) -> bool:
@@ -69,11 +53,11 @@ class EngineLoop:
         self._step_started = step_started
         """When the running step began (time.monotonic), 0.0 between steps: a c_double so
         a process core can place it in shared memory for its parent's health check."""
-        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
         self._wake = threading.Event()
 
-    def send(self, message: tuple) -> None:
-        """Queue an `add_message` or `abort_message` (from any thread)."""
+    def send(self, message: InboxMessage) -> None:
+        """Queue a message (from any thread)."""
         self._inbox.put(message)
         self._wake.set()
 
@@ -117,16 +101,18 @@ class EngineLoop:
                 return
             self._publish(self._handle(message), self.engine.stats())
 
-    def _handle(self, message: tuple) -> Delivery:
+    def _handle(self, message: InboxMessage) -> Delivery:
         """Apply one inbox message; what it ends (a refused request, an aborted stream)."""
-        if message[0] == "add":
-            request_id, prompt, params, urgency = message[1:]
+        if isinstance(message, AddRequest):
             try:
-                self.engine.add_request(request_id, prompt, params, *urgency)
+                self.engine.add_request(
+                    message.request_id, message.prompt, message.params,
+                    message.urgency.priority, message.urgency.max_step_s,
+                )  # fmt: skip
             except ValueError as exc:
-                return [(request_id, exc)]
+                return [(message.request_id, exc)]
             return []
-        aborted = self.engine.abort_request(message[1])
+        aborted = self.engine.abort_request(message.request_id)
         return [] if aborted is None else [(aborted.request_id, aborted)]
 
 
@@ -143,7 +129,7 @@ class EngineThread:
         self._thread = threading.Thread(target=self.loop.run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: InboxMessage) -> None:
         """Queue an inbox message for the loop."""
         self.loop.send(message)
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, EngineRequestError, Publish, is_stalled
+from engine.messages import EngineReady, InboxMessage, StartFailed, StepDone
 from engine.outputs import EngineStats
 from engine.prompt_limits import PromptLimits
 
@@ -79,14 +80,14 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self._reader.start()
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: InboxMessage) -> None:
         """Forward an inbox message to the child (from any thread); to a dead child it is
         dropped: the reader thread ends every live stream once the pipe closes."""
         with self._send_lock:
             try:
                 self._conn.send(message)
             except OSError:
-                log.warning("engine process gone: %s dropped", message[0])
+                log.warning("engine process gone: %s dropped", message)
 
     def is_alive(self, stall_timeout_s: float) -> bool:
         """The child runs and no step of it is stuck."""
@@ -94,23 +95,23 @@ class EngineProcess:
 
     def _await_ready(self) -> tuple[Any, PromptLimits, EngineStats]:
         try:
-            kind, *payload = self._conn.recv()
+            message: EngineReady | StartFailed = self._conn.recv()
         except EOFError:
             self._process.join()
             raise RuntimeError(
                 f"the engine process exited during start-up (code {self._process.exitcode})"
             ) from None
-        if kind == "failed":
+        if isinstance(message, StartFailed):
             self._process.join()
-            raise payload[0]
-        return payload[0], payload[1], payload[2]
+            raise message.error
+        return message.tokenizer, message.limits, message.stats
 
     def _read(self) -> None:
         """Deliver the child's steps until its end of the pipe closes."""
         try:
             while True:
-                _, items, stats = self._conn.recv()
-                self._publish(items, stats)
+                step: StepDone = self._conn.recv()
+                self._publish(step.items, step.stats)
         except (EOFError, OSError):
             self._process.join(timeout=5)
             code = self._process.exitcode
@@ -133,10 +134,10 @@ def _child_main(config: EngineConfig, conn: Connection, step_started: ctypes.c_d
     try:
         engine = LLMEngine(config)
     except BaseException as exc:  # noqa: BLE001 - the parent re-raises it
-        conn.send(("failed", exc))
+        conn.send(StartFailed(exc))
         return
-    conn.send(("ready", engine.tokenizer, engine.limits, engine.stats()))
-    loop = EngineLoop(engine, lambda items, stats: conn.send(("step", items, stats)), step_started)
+    conn.send(EngineReady(engine.tokenizer, engine.limits, engine.stats()))
+    loop = EngineLoop(engine, lambda items, stats: conn.send(StepDone(items, stats)), step_started)
     threading.Thread(target=_forward_inbox, args=(conn, loop), daemon=True).start()
     loop.run()
 
