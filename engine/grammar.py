@@ -21,6 +21,8 @@ from __future__ import annotations
 import functools
 import json
 import re
+import statistics
+import time
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -33,6 +35,10 @@ COMPILED_CACHE_SIZE = 256
 """Distinct grammars kept compiled (a JSON schema's compiled form is tens of KB)."""
 _LOCATION = re.compile(r"^\[[^\]]*\] \S+:\d+: ")
 """xgrammar prefixes its errors with a time and a C++ source location."""
+MASK_PROBE_ROWS = 16
+"""Constrained rows in the probe's step: a full batch of the offline pool's kind."""
+MASK_PROBE_STEPS = 9
+"""Steps the probe times; their median is kept (start-up is noisy: the engine loads)."""
 
 
 @functools.lru_cache(maxsize=COMPILED_CACHE_SIZE)
@@ -139,3 +145,29 @@ def mask_logits(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> 
     masked = logits.clone()
     xgr.apply_token_bitmask_inplace(masked, bitmask, indices=rows)
     return masked
+
+
+def mask_cost_s(tokenizer: PreTrainedTokenizerBase) -> float:
+    """Seconds one constrained row's mask adds to a step on this machine, measured: a step
+    of MASK_PROBE_ROWS JSON rows masked as the sampler masks them (fill each row's bitmask,
+    copy the logits, apply), the median of MASK_PROBE_STEPS such steps, per row.
+
+    Placement adds it to a constrained request's predicted latency
+    (policies/latency.py). It is measured, not fitted from steps, because it is the
+    apply over the whole vocabulary that costs (xgrammar's CPU apply: ~0.16 ms a row at
+    49,152 tokens, against ~8 us to fill the bitmask, both timed on this 2-core machine
+    under load), a per-machine constant that a step fit could not tell apart from the
+    per-sequence cost. The probe masks CPU logits, as CPU pools do; a GPU pool applies
+    masks on the device, for which this is an upper bound.
+    """
+    vocab_size = len(tokenizer)
+    compiler = GrammarCompiler(tokenizer, vocab_size, [tokenizer.eos_token_id])
+    compiled = compiler.compile(GrammarSpec("json_object"))
+    states = [GrammarState(compiled) for _ in range(MASK_PROBE_ROWS)]
+    logits = torch.zeros(MASK_PROBE_ROWS, vocab_size)
+    times_s = []
+    for _ in range(MASK_PROBE_STEPS):
+        start_s = time.perf_counter()
+        mask_logits(logits, states)
+        times_s.append(time.perf_counter() - start_s)
+    return statistics.median(times_s) / MASK_PROBE_ROWS

@@ -20,6 +20,9 @@ each engine (engine/step_cost.py). Work spreads evenly over replicas.
     TTFT        = slot wait + prefill
     TPOT        = one decode step at the batch the request will run in; with a
                   target, less urgent sequences join only up to it
+    constrained = a request held to a grammar adds its row's mask (measured by each
+                  replica, engine/grammar.py) to every step it samples in: once to
+                  TTFT, once to TPOT
 """
 
 from __future__ import annotations
@@ -32,11 +35,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds a step costs: base, plus per sequence, plus per token computed."""
+    """Seconds a step costs: base, plus per sequence, plus per token computed; plus, for
+    each row held to a grammar, its mask."""
 
     base_s: float
     per_seq_s: float
     per_token_s: float
+    per_constrained_row_s: float = 0.0
+    """Filling and applying one row's grammar mask (engine/grammar.py `mask_cost_s`)."""
 
     def step_s(self, num_seqs: int, num_tokens: int) -> float:
         """Predicted duration of a step over `num_seqs` sequences computing `num_tokens`."""
@@ -93,10 +99,15 @@ class Prediction:
 
 
 def predict(
-    pool: PoolState, priority: int, num_prompt_tokens: int, tpot_target_s: float | None = None
+    pool: PoolState,
+    priority: int,
+    num_prompt_tokens: int,
+    tpot_target_s: float | None = None,
+    constrained: bool = False,
 ) -> Prediction:
     """TTFT and TPOT of a new request of `priority` with a `num_prompt_tokens` prompt, which
-    the engine is to keep within `tpot_target_s` per token (None: no target)."""
+    the engine is to keep within `tpot_target_s` per token (None: no target), held to a
+    grammar when `constrained`."""
     ahead = [s for s in pool.in_flight if s.priority <= priority]
     batch = first_batch = _batch(pool, len(pool.in_flight) + 1)
     tpot_s = pool.cost.step_s(batch, batch)
@@ -107,7 +118,10 @@ def predict(
     prefill_tokens = num_prompt_tokens + sum(s.num_prompt_tokens for s in ahead if not s.prefilled)
     tokens_per_replica = math.ceil(prefill_tokens / max(1, pool.num_replicas))
     prefill_s = _prefill_s(pool, tokens_per_replica, first_batch, batch)
-    return Prediction(ttft_s=wait_s + prefill_s, tpot_s=tpot_s, num_ahead=len(ahead))
+    mask_s = pool.cost.per_constrained_row_s if constrained else 0.0
+    return Prediction(
+        ttft_s=wait_s + prefill_s + mask_s, tpot_s=tpot_s + mask_s, num_ahead=len(ahead)
+    )
 
 
 def drain_s(pool: PoolState, num_sequences: int) -> float:

@@ -69,6 +69,8 @@ class RequestShape:
     max_tokens: int
     num_sequences: int = 1
     """Prompts times `n`: each is a sequence in the engine."""
+    constrained: bool = False
+    """Held to a grammar (structured output, a forced tool call): each token pays a mask."""
 
 
 def place(
@@ -79,7 +81,13 @@ def place(
     if not candidates:
         return Placement(None, "unavailable", retry_after_s=UNAVAILABLE_RETRY_AFTER_S)
     predictions = {
-        name: predict(pools[name], tier.priority, shape.num_prompt_tokens, tier.tpot_target_s)
+        name: predict(
+            pools[name],
+            tier.priority,
+            shape.num_prompt_tokens,
+            tier.tpot_target_s,
+            shape.constrained,
+        )
         for name in candidates
     }
     open_pools = {

@@ -189,9 +189,10 @@ class FakePoolHandle:
     """Stands in for a pool's DeploymentHandle where only `handle.stats.remote()` is used:
     answers the fake engine's stats, or, with no engine (a pool without replicas), never."""
 
-    def __init__(self, engine: FakeEngine | None) -> None:
+    def __init__(self, engine: FakeEngine | None, grammar_mask_s: float = 0.0) -> None:
         self.stats = self
         self._engine = engine
+        self._grammar_mask_s = grammar_mask_s
         self.calls: list[asyncio.Future[ReplicaStats]] = []
 
     def remote(self) -> asyncio.Future[ReplicaStats]:
@@ -199,6 +200,9 @@ class FakePoolHandle:
         call: asyncio.Future[ReplicaStats] = asyncio.get_running_loop().create_future()
         if self._engine is not None:
             engine = self._engine
-            call.set_result(ReplicaStats("r0", engine.stats(), engine.max_model_len))
+            stats = ReplicaStats(
+                "r0", engine.stats(), engine.max_model_len, grammar_mask_s=self._grammar_mask_s
+            )
+            call.set_result(stats)
         self.calls.append(call)
         return call

@@ -1,7 +1,8 @@
 """A batch's input file checked before any line runs, and the records its output files hold.
 
 Every line must be a JSON object `{"custom_id", "method": "POST", "url", "body"}`
-whose url is the batch's endpoint and whose body that endpoint accepts; custom
+whose url is the batch's endpoint and whose body that endpoint accepts (its output
+grammar too: a `response_format` or tool schema the library refuses); custom
 ids are unique. A file with any bad line fails validation as a whole (OpenAI's
 behaviour), and the batch's `errors` name each bad line by its number, so a
 nightly job learns every problem from one submission, not one per try.
@@ -15,7 +16,7 @@ from typing import Any
 
 from serving.batch.schemas import BatchError, BatchErrors
 from serving.http.errors import ApiError
-from serving.http.openai_api import ENDPOINTS, parse_body
+from serving.http.openai_api import ENDPOINTS, output_grammar, parse_body
 from serving.http.request_body import decode_json_object
 
 MAX_REPORTED_ERRORS = 100
@@ -74,7 +75,7 @@ def _check_line(
     body = document.get("body")
     if not isinstance(body, dict):
         raise _line_error("body must be a JSON object", "body")
-    parse_body(ENDPOINTS[endpoint].schema, body)
+    output_grammar(parse_body(ENDPOINTS[endpoint].schema, body))  # a schema xgrammar refuses
     return custom_id, body
 
 

@@ -53,7 +53,6 @@ from serving.http.limits import check_limits
 from serving.http.openai_api import (
     ENDPOINTS,
     ChatEndpoint,
-    Echo,
     Endpoint,
     parse_body,
     sampling_params,
@@ -322,7 +321,12 @@ class Ingress:
         if not all(prompts):
             raise bad_request("prompt must not be empty", param="prompt")
         longest = max(len(p) for p in prompts)
-        shape = RequestShape(longest, body.requested_max_tokens or 0, len(prompts) * body.n)
+        shape = RequestShape(
+            longest,
+            body.requested_max_tokens or 0,
+            len(prompts) * body.n,
+            constrained=bool(body.grammar_params()),
+        )
         choice = self._choose_model(body, tier, longest)
         placement = place(choice.tier, shape, self._monitor.states(), jitter=random.random())
         admission.placement = placement
@@ -366,16 +370,13 @@ class Ingress:
             key=call.caller,
             tier=tier,
             pool=pool,
-            endpoint=endpoint_cls(
+            endpoint=endpoint_cls.for_request(
+                body,
+                prompts,
                 request_id,
                 int(time.time()),
                 self._config.pool(pool).model_name,
                 self._tokenizer,
-                with_logprobs=body.num_logprobs is not None,
-                echo=tuple(
-                    Echo(sent if isinstance(sent, str) else self._tokenizer.decode(ids), tuple(ids))
-                    for sent, ids in zip(body.echoed_prompts, prompts, strict=False)
-                ),
             ),
             body=body,
             prompts=prompts,

@@ -62,15 +62,15 @@ def sampling_params(body: s.SamplingFields, max_tokens: int) -> SamplingParams:
             ignore_eos=body.ignore_eos,
             logprobs=body.num_logprobs,
             prompt_logprobs=body.num_logprobs if body.echoed_prompts else None,
-            grammar=_grammar(body),
+            grammar=output_grammar(body),
         )
     except ValueError as error:
         raise bad_request(str(error)) from None
 
 
-def _grammar(body: s.SamplingFields) -> GrammarSpec | None:
+def output_grammar(body: s.SamplingFields) -> GrammarSpec | None:
     """The body's output grammar, built and parsed here so that one the library refuses is
-    a 400 naming the field that sent it, before any pool sees it."""
+    a 400 naming the field that sent it, before any pool sees it (or any batch line runs)."""
     asked = body.grammar_params()
     if not asked:
         return None
@@ -120,6 +120,31 @@ class Endpoint(ABC):
     """The prompts to repeat before their completions, by prompt index (none: no echo)."""
 
     @classmethod
+    def for_request(
+        cls,
+        body: Any,
+        prompts: list[list[int]],
+        response_id: str,
+        created: int,
+        model: str,
+        tokenizer: Any,
+    ) -> Endpoint:
+        """The endpoint rendering `body`'s response (its `prompts` tokenized): with logprobs
+        and echoed prompts when the body asks for them."""
+        echo = tuple(
+            Echo(sent if isinstance(sent, str) else tokenizer.decode(ids), tuple(ids))
+            for sent, ids in zip(body.echoed_prompts, prompts, strict=False)
+        )
+        with_logprobs = body.num_logprobs is not None
+        options = cls._options(body)
+        return cls(response_id, created, model, tokenizer, with_logprobs, echo, **options)
+
+    @staticmethod
+    def _options(body: Any) -> dict[str, Any]:
+        """The endpoint's own fields that the body decides."""
+        return {}
+
+    @classmethod
     def prompt_ids(cls, body: Any, tokenizer: Any) -> list[list[int]]:
         """Token ids of each prompt in the body (before `n` copies are made); first, the
         token ids the body's sampling fields name are checked against the vocabulary, which
@@ -154,14 +179,21 @@ class Endpoint(ABC):
 class ChatEndpoint(Endpoint):
     """`/v1/chat/completions`: a conversation through the chat template.
 
-    Outputs are read for tool calls in the model's format (serving/http/tool_calls.py)
-    whatever the request: a request without tools (or with `tool_choice: none`) shows the
-    model none, so it has nothing to call.
+    Outputs are read for tool calls in the model's format (serving/http/tool_calls.py) only
+    when the request offered tools and did not say `tool_choice: none`: otherwise a
+    plain answer that happens to look like a call (a model quoting the format) is text.
     """
 
     schema = s.ChatCompletionRequest
+    reads_tool_calls: bool = False
+    """Whether outputs become `tool_calls` (tools were offered, not under `none`)."""
     tool_streams: dict[int, ToolCallStream] = field(default_factory=dict, repr=False)
     """Each streamed choice's text turned into content and call deltas, by index."""
+
+    @staticmethod
+    def _options(body: s.ChatCompletionRequest) -> dict[str, Any]:
+        """Tool calls are read when the model was shown tools."""
+        return {"reads_tool_calls": body.offered_tools is not None}
 
     @staticmethod
     def _prompts(body: s.ChatCompletionRequest, tokenizer: Any) -> list[list[int]]:
@@ -187,7 +219,9 @@ class ChatEndpoint(Endpoint):
             new_logprobs = output.new_logprobs or []
             logprobs = chat_logprobs(self.tokenizer, output.new_token_ids, new_logprobs)
         stream = self.tool_streams.setdefault(index, ToolCallStream())
-        content, calls = stream.push(output.new_text, final=output.finished)
+        content, calls = output.new_text, list[CallDelta]()
+        if self.reads_tool_calls:
+            content, calls = stream.push(output.new_text, final=output.finished)
         finish_reason = _finish_reason(output)
         if finish_reason == "stop" and stream.num_calls:
             finish_reason = "tool_calls"
@@ -216,7 +250,8 @@ class ChatEndpoint(Endpoint):
 
     def _choice(self, index: int, choice: ChoiceProgress) -> s.ChatChoice:
         """A finished choice: its text, or the calls it made (finish_reason tool_calls)."""
-        content, calls = parse_tool_calls(choice.text)
+        text = choice.text
+        content, calls = parse_tool_calls(text) if self.reads_tool_calls else (text, [])
         finish_reason = choice.finish_reason
         if calls and finish_reason == "stop":
             finish_reason = "tool_calls"

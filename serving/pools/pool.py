@@ -79,6 +79,9 @@ class ReplicaStats:
     """The replica's context length: the ingress learns it with the load."""
     unavailable: str | None = None
     """Why the replica serves nothing yet (its model is still being made), or None."""
+    grammar_mask_s: float = 0.0
+    """What one constrained row's grammar mask adds to a step here, measured when the
+    engine came up (engine/grammar.py `mask_cost_s`; 0 for a test fake)."""
 
 
 EngineFactory = Callable[[EngineConfig], Engine]
@@ -130,9 +133,11 @@ class Pool:
         """None unless the replica waits for a student; then whether it distils one meanwhile."""
         self._cache_dir = config.cache_dir
         self._load_error: BaseException | None = None
+        self._measures_masks = engine_cls is None
+        self._grammar_mask_s = 0.0
         factory = engine_cls or _default_engine_cls()
         try:
-            self._engine = factory(config)
+            self._serve(factory(config))
         except StudentMissing:
             self._student_wait_distills = distill_if_missing
             waiter = threading.Thread(
@@ -148,13 +153,22 @@ class Pool:
         a failure surfaces in check_health, so Serve replaces the replica."""
         try:
             wait_for_student(config.cache_dir, distill)
-            self._engine = factory(config)
+            self._serve(factory(config))
         except Exception as error:
             log.exception("loading the distilled student failed")
             self._load_error = error
             return
         self._student_wait_distills = None
         log.warning("the distilled student is loaded: this pool now serves")
+
+    def _serve(self, engine: Engine) -> None:
+        """Start serving `engine`, its grammar mask cost measured first (real engines only:
+        a fake's tokenizer is nothing xgrammar reads)."""
+        if self._measures_masks:
+            from engine.grammar import mask_cost_s  # torch: only real replicas need it
+
+            self._grammar_mask_s = mask_cost_s(engine.tokenizer)
+        self._engine = engine
 
     async def generate(self, request: PoolRequest) -> AsyncIterator[RequestOutput]:
         """Stream the engine's deltas; leaving early (cancel, disconnect) aborts in the engine.
@@ -183,7 +197,12 @@ class Pool:
         replica_id = serve.get_replica_context().replica_id.unique_id
         if self._engine is None:
             return ReplicaStats(replica_id, None, 0, self._unavailable())
-        return ReplicaStats(replica_id, self._engine.stats(), self._engine.max_model_len)
+        return ReplicaStats(
+            replica_id,
+            self._engine.stats(),
+            self._engine.max_model_len,
+            grammar_mask_s=self._grammar_mask_s,
+        )
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: a dead step loop would hang every

@@ -42,6 +42,7 @@ OUTPUT_EWMA = 0.1
 class _Seen:
     stats: EngineStats
     at_s: float
+    grammar_mask_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -94,7 +95,7 @@ class PoolMonitor:
             num_replicas=len(stats),
             max_num_seqs=config.engine.max_num_seqs,
             max_num_batched_tokens=config.engine.max_num_batched_tokens,
-            cost=_mean_step_cost(stats),
+            cost=self._step_cost(pool),
             in_flight=tuple(self._in_flight_view(pool)),
             max_queued=config.max_queued_requests,
             cost_per_1k_tokens=config.estimated_cost_per_1k_tokens,
@@ -121,8 +122,22 @@ class PoolMonitor:
 
     def replica_stats(self, pool: str) -> list[EngineStats]:
         """The latest stats of each live replica of `pool`."""
+        return [seen.stats for seen in self._live(pool)]
+
+    def _live(self, pool: str) -> list[_Seen]:
         fresh_after_s = time.monotonic() - STALE_AFTER_POLLS * self._poll_interval_s
-        return [seen.stats for seen in self._replicas[pool].values() if seen.at_s >= fresh_after_s]
+        return [seen for seen in self._replicas[pool].values() if seen.at_s >= fresh_after_s]
+
+    def _step_cost(self, pool: str) -> StepCost:
+        """The live replicas' fitted step costs and measured grammar masks, averaged (zero
+        before any replica reported)."""
+        live = self._live(pool)
+        if not live:
+            return StepCost(0.0, 0.0, 0.0)
+        columns = zip(*(seen.stats.step_cost_s for seen in live), strict=True)
+        base_s, per_seq_s, per_token_s = (sum(column) / len(live) for column in columns)
+        mask_s = sum(seen.grammar_mask_s for seen in live) / len(live)
+        return StepCost(base_s, per_seq_s, per_token_s, mask_s)
 
     def unavailable_reason(self, pool: str) -> str | None:
         """Why a pool with no live replica is waiting (its model is still being made), as
@@ -160,14 +175,7 @@ class PoolMonitor:
             elif result.engine is None:  # alive, but its model is still being made
                 self._unavailable[pool] = result.unavailable or "no engine yet"
             else:
-                self._replicas[pool][result.replica_id] = _Seen(result.engine, time.monotonic())
+                seen = _Seen(result.engine, time.monotonic(), result.grammar_mask_s)
+                self._replicas[pool][result.replica_id] = seen
                 self._max_model_len[pool] = result.max_model_len
                 self._unavailable.pop(pool, None)
-
-
-def _mean_step_cost(stats: list[EngineStats]) -> StepCost:
-    """The replicas' fitted step costs, averaged (zero before any replica reported)."""
-    if not stats:
-        return StepCost(0.0, 0.0, 0.0)
-    columns = zip(*(s.step_cost_s for s in stats), strict=True)
-    return StepCost(*(sum(column) / len(stats) for column in columns))

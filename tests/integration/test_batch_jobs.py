@@ -51,7 +51,9 @@ def test_every_bad_line_is_reported_with_its_number() -> None:
         json.dumps({"method": "POST", "url": COMPLETIONS, "body": {}}),  # no custom_id
         json.dumps({"custom_id": "get", "method": "GET", "url": COMPLETIONS, "body": {}}),
         json.dumps([1, 2]),
-    ]
+        _line("schema", response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "strin"}}}),  # a grammar the library refuses
+    ]  # fmt: skip
     errors = check_input(_jsonl(lines), COMPLETIONS, 100, 32).errors
     assert [(e.line, e.param) for e in errors] == [
         (2, None),
@@ -61,6 +63,7 @@ def test_every_bad_line_is_reported_with_its_number() -> None:
         (6, "custom_id"),
         (7, "method"),
         (8, None),
+        (9, "response_format"),
     ]
     assert "earlier line" in errors[1].message
     assert "not valid JSON" in errors[0].message

@@ -1,4 +1,5 @@
-"""The latency model and placement on synthetic pool states: pure, milliseconds."""
+"""The latency model and placement on synthetic pool states: pure, milliseconds (and one
+real measurement: the grammar mask a constrained request pays)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from engine.grammar import mask_cost_s
 from policies.latency import InFlight, PoolState, StepCost, drain_s, predict
 from policies.placement import RequestShape, place
 from policies.tiers import Tier
@@ -31,6 +33,25 @@ def pool(name: str, in_flight=(), max_num_seqs=4, replicas=1, max_queued=4, pric
 
 def decoding(priority: int, n: int, remaining: int = 50) -> list[InFlight]:
     return [InFlight(priority, 100, remaining, prefilled=True) for _ in range(n)]
+
+
+def test_a_constrained_request_pays_the_measured_mask_on_each_token(tokenizer):
+    """The mask this machine measures for one constrained row (engine/grammar.py) is what a
+    constrained request's predicted TPOT, and its first token, cost more; placement
+    passes the request's shape through."""
+    measured_s = mask_cost_s(tokenizer)
+    assert 0 < measured_s < 0.01
+    cost = replace(COST, per_constrained_row_s=measured_s)
+    busy = replace(pool("fast", decoding(1, 3)), cost=cost)
+    free = predict(busy, priority=0, num_prompt_tokens=100)
+    held = predict(busy, priority=0, num_prompt_tokens=100, constrained=True)
+    assert held.tpot_s - free.tpot_s == pytest.approx(measured_s)
+    assert held.ttft_s - free.ttft_s == pytest.approx(measured_s)
+    pools = {"fast": busy, "bulk": pool("bulk")}
+    placed = place(STANDARD, RequestShape(100, 50, constrained=True), pools)
+    assert placed.pool == "fast" and placed.prediction is not None
+    expected = predict(busy, STANDARD.priority, 100, STANDARD.tpot_target_s, constrained=True)
+    assert placed.prediction.tpot_s == pytest.approx(expected.tpot_s)
 
 
 def test_idle_pool_predicts_one_prefill_and_a_batch_one_step():

@@ -1,4 +1,5 @@
-"""The pool monitor when a pool has no live replica: the others are still polled."""
+"""The pool monitor: when a pool has no live replica the others are still polled; what
+replicas measure reaches the latency model."""
 
 from __future__ import annotations
 
@@ -13,6 +14,14 @@ from testing.fakes import FakeEngine, FakePoolHandle
 
 POLL_INTERVAL_S = 0.05
 POOLS = {name: PoolConfig(name=name, model_name="m") for name in ("up", "down")}
+
+
+def test_the_replicas_measured_grammar_mask_reaches_the_step_cost() -> None:
+    """Placement prices a constrained request's mask at what its pool's replicas measured."""
+    handle = FakePoolHandle(FakeEngine(EngineConfig()), grammar_mask_s=0.0004)
+    monitor = PoolMonitor({"up": POOLS["up"]}, {"up": handle}, POLL_INTERVAL_S)
+    asyncio.run(monitor.poll_once())
+    assert monitor.state("up").cost.per_constrained_row_s == 0.0004
 
 
 def test_a_pool_without_replicas_does_not_hold_the_poll_of_the_others() -> None:

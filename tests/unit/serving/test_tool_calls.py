@@ -60,20 +60,26 @@ def generate(engine, body, max_tokens: int = 120, **params: Any) -> list[Request
     return deltas
 
 
-def endpoint(tokenizer) -> ChatEndpoint:
-    return ChatEndpoint("chatcmpl-1", 0, "m", tokenizer)
+def endpoint(tokenizer, body=None) -> ChatEndpoint:
+    """The endpoint the ingress builds for `body` (by default one offering TOOLS)."""
+    body = body or chat_body(tools=TOOLS)
+    built = ChatEndpoint.for_request(body, [[1]], "chatcmpl-1", 0, "m", tokenizer)
+    assert isinstance(built, ChatEndpoint)
+    return built
 
 
-def whole_response(tokenizer, deltas: list[RequestOutput]) -> dict[str, Any]:
+def whole_response(tokenizer, deltas: list[RequestOutput], body=None) -> dict[str, Any]:
     choice = ChoiceProgress(start_s=0.0, prompt_index=0)
     for delta in deltas:
         choice.add(delta, 0.0)
-    return endpoint(tokenizer).response([choice]).model_dump(mode="json")["choices"][0]
+    return endpoint(tokenizer, body).response([choice]).model_dump(mode="json")["choices"][0]
 
 
-def streamed_calls(tokenizer, deltas: list[RequestOutput]) -> tuple[str, list[dict], str | None]:
+def streamed_calls(
+    tokenizer, deltas: list[RequestOutput], body=None
+) -> tuple[str, list[dict], str | None]:
     """Content, calls and finish reason assembled from the chunks as an OpenAI client does."""
-    rendering, progress = endpoint(tokenizer), ChoiceProgress(start_s=0.0, prompt_index=0)
+    rendering, progress = endpoint(tokenizer, body), ChoiceProgress(start_s=0.0, prompt_index=0)
     content, calls, finish_reason = "", [], None
     for delta in deltas:
         progress.add(delta, 0.0)
@@ -215,6 +221,24 @@ def test_auto_parses_a_call_the_model_writes(tokenizer):
         "arguments": '{"timezone": "UTC"}',
     }
     assert choice["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    "fields", [{}, {"tools": TOOLS, "tool_choice": "none"}], ids=["no-tools", "choice-none"]
+)
+def test_text_that_looks_like_a_call_is_text_when_no_tools_were_offered(tokenizer, fields):
+    """A plain chat (or `tool_choice: none`) is never read for calls, whole or streamed:
+    a model quoting the call format answers in text."""
+    body = chat_body(**fields)
+    text = 'Like this:\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    outputs = [
+        RequestOutput("r", [1], text[:20], False, None, num_output_tokens=1),
+        RequestOutput("r", [2], text[20:], True, "stop", num_output_tokens=2),
+    ]
+    choice = whole_response(tokenizer, outputs, body)
+    assert choice["message"] == {"role": "assistant", "content": text, "tool_calls": None}
+    assert choice["finish_reason"] == "stop"
+    assert streamed_calls(tokenizer, outputs, body) == (text, [], "stop")
 
 
 # ---- the parser and the stream ---------------------------------------------------------------
