@@ -22,7 +22,7 @@ from typing import Any
 
 from bench.engine.bench_engine import run_to_completion
 from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GrammarSpec, SamplingParams
 
 PEER_SCRIPT = Path(__file__).with_name("peer_vllm.py")
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_USE_AOT_COMPILE": "0"}
@@ -38,6 +38,10 @@ class Case:
     prompts: list[list[int]]
     max_tokens: int
     batch: int
+    json_schema: str | None = None
+    """Held to this JSON schema (then sampled at `temperature`, ended by the grammar:
+    outputs vary in length) instead of greedy with EOS ignored."""
+    temperature: float = 0.0
 
     def batches(self) -> list[list[list[int]]]:
         """The prompts cut into the batches that run together."""
@@ -64,7 +68,7 @@ class Timing:
 
 def run_tierserve(engine: LLMEngine, case: Case) -> Timing:
     """The case on tierserve's engine, in this process and its torch threads."""
-    params = SamplingParams(max_tokens=case.max_tokens, temperature=0, ignore_eos=True)
+    params = case_params(case)
     batches = case.batches()
     run_to_completion(engine, batches[0], params)  # warm-up at this case's shapes
     seconds, tokens = [], 0
@@ -73,6 +77,14 @@ def run_tierserve(engine: LLMEngine, case: Case) -> Timing:
         tokens += run_to_completion(engine, batch, params)
         seconds.append(time.perf_counter() - start)
     return Timing(seconds, tokens)
+
+
+def case_params(case: Case) -> SamplingParams:
+    """Greedy with EOS ignored, or held to the case's schema."""
+    if case.json_schema is None:
+        return SamplingParams(max_tokens=case.max_tokens, temperature=0, ignore_eos=True)
+    grammar = GrammarSpec("json_schema", case.json_schema)
+    return SamplingParams(max_tokens=case.max_tokens, temperature=case.temperature, grammar=grammar)
 
 
 def run_vllm(
