@@ -20,52 +20,7 @@ from engine.model.chat import chat_prompt_ids
 from engine.sampler import SampleRow, verify
 from engine.sampling_params import GrammarSpec, SamplingParams
 from testing.engine_helpers import TEST_ENGINE_CONFIG, greedy, run_one, run_requests
-
-# ---- schemas within the supported subset -------------------------------------
-
-_NAMES = st.sampled_from(["name", "age", "city", "tags", "ok", "score", "id", "note"])
-_LEAVES = st.one_of(
-    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(1, 10)),
-    st.builds(
-        lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
-        st.integers(-50, 50),
-        st.integers(0, 1000),
-    ),
-    st.just({"type": "boolean"}),
-    st.just({"type": "null"}),
-    st.builds(
-        lambda xs: {"enum": xs},
-        st.lists(st.sampled_from(["red", "green", 3, None]), min_size=1, max_size=3, unique=True),
-    ),
-)
-
-
-def _object(values: st.SearchStrategy) -> st.SearchStrategy:
-    """An object of 1-3 properties drawn from `values`, some required, nothing else allowed."""
-    props = st.dictionaries(_NAMES, values, min_size=1, max_size=3)
-    return props.flatmap(
-        lambda p: st.builds(
-            lambda required: {
-                "type": "object",
-                "properties": p,
-                "required": sorted(required),
-                "additionalProperties": False,
-            },
-            st.sets(st.sampled_from(sorted(p))),
-        )
-    )
-
-
-_VALUES = st.one_of(
-    _LEAVES,
-    st.builds(
-        lambda items, n: {"type": "array", "items": items, "maxItems": n},
-        _LEAVES,
-        st.integers(0, 3),
-    ),
-)
-SCHEMAS = _object(st.one_of(_VALUES, _object(_LEAVES)))
-
+from testing.schemas import SCHEMAS
 
 # ---- fixtures -----------------------------------------------------------------
 
