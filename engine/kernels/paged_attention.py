@@ -28,14 +28,25 @@ a query's attention changed in the last bits with the number of queries beside i
 over torch's own OpenMP threads (native.OPENMP)."""
 PARALLEL_MIN_QUERIES = 32
 """Fewer queries than this run on one thread: waking the others costs more than it saves."""
-_ENTRY_POINTS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
-_ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
-_ARGTYPES += [ctypes.c_int64] * 5 + [ctypes.c_float]
+_ENTRY_POINTS = {
+    (torch.float32, torch.float32): "paged_attention_f32",
+    (torch.bfloat16, torch.bfloat16): "paged_attention_bf16",
+    (torch.float32, torch.int8): "paged_attention_f32_i8",
+    (torch.bfloat16, torch.int8): "paged_attention_bf16_i8",
+    (torch.float32, torch.uint8): "paged_attention_f32_fp8",
+    (torch.bfloat16, torch.uint8): "paged_attention_bf16_fp8",
+}
+"""By (query dtype, cache dtype): a cache in the query's dtype, or a quantized one
+(engine.quant.kv: int8 codes, or fp8 e4m3 codes stored as uint8)."""
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_ARGTYPES: list[type] = [_P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I]
+_ARGTYPES += [ctypes.c_float]
 
 
 def available(dtype: torch.dtype) -> bool:
-    """The kernel is built and handles this dtype (EngineConfig.native_attention opts out)."""
-    return dtype in _ENTRY_POINTS and _library() is not None
+    """The kernel is built and handles queries of this dtype, over a cache in the same
+    dtype or a quantized one (EngineConfig.native_attention opts out)."""
+    return (dtype, dtype) in _ENTRY_POINTS and _library() is not None
 
 
 def paged_attention(
@@ -50,6 +61,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """[N, H, D] attention outputs, read straight from the paged cache.
 
+    A quantized cache's rows are [D codes, bf16 scale] (k_cache [num_slots, KVH, D + 2]).
     The queries are split over torch's intra-op threads at `thread_bounds` (from
     `query_bounds`, where the caller has them already); each query is computed alone
     either way, so the split changes no bit."""
@@ -61,7 +73,7 @@ def paged_attention(
     bounds = thread_bounds
     if bounds is None:
         bounds = query_bounds(visible, torch.get_num_threads())
-    status = getattr(lib, _ENTRY_POINTS[q.dtype])(
+    status = getattr(lib, _ENTRY_POINTS[q.dtype, k_cache.dtype])(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], query_seq.data_ptr(),
         visible.data_ptr(), bounds.data_ptr(), bounds.shape[0] - 1,
@@ -88,5 +100,7 @@ def query_bounds(visible: torch.Tensor, num_threads: int) -> torch.Tensor:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    signatures = {name: (_ARGTYPES, ctypes.c_int) for name in _ENTRY_POINTS.values()}
+    signatures: dict[str, native.Signature] = {
+        name: (_ARGTYPES, ctypes.c_int) for name in _ENTRY_POINTS.values()
+    }
     return native.load(SOURCE, COMPILE_FLAGS, signatures)

@@ -22,6 +22,11 @@ hides what lies behind the window (the in-place kernel has no lower bound, so
 their short queries are padded too, and a batch-invariant engine's promise does
 not cover these layers). The cache keeps every position: a prefix hit reads the
 same blocks, and the window is a mask over them.
+
+A quantized cache (engine.quant.kv) is written as codes and scales; the kernel
+dequantizes each row in registers as it reads it, the padded path once it has
+gathered the blocks. A fresh chunk attends to its own K/V before quantization
+(as vLLM does); under batch invariance every query reads the cache instead.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import paged_attention as kernels
+from engine.quant import kv as kv_quant
 
 SHORT_QUERY_MAX = 8
 """Queries up to this many tokens (decodes, verification of k drafts) share one group."""
@@ -57,22 +63,24 @@ class AttentionGroup:
             v_b = v[self.query_index].transpose(1, 2)
             out = F.scaled_dot_product_attention(q_b, k_b, v_b, is_causal=True, enable_gqa=True)
         else:
-            k_b = self._gather_blocks(k_cache)  # [B, KVH, max_blocks * block_size, D]
-            v_b = self._gather_blocks(v_cache)
+            k_b = self._gather_blocks(k_cache, q.dtype)  # [B, KVH, max_blocks * block_size, D]
+            v_b = self._gather_blocks(v_cache, q.dtype)
             out = F.scaled_dot_product_attention(
                 q_b, k_b, v_b, attn_mask=self.mask, enable_gqa=True
             )
         num_heads, head_dim = q.shape[1], q.shape[2]
         return out.transpose(1, 2).reshape(-1, num_heads, head_dim)[self.unpad_index]
 
-    def _gather_blocks(self, cache: torch.Tensor) -> torch.Tensor:
+    def _gather_blocks(self, cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The groups' context in `dtype`, dequantized from a quantized cache once gathered."""
         assert self.mask is not None and self.block_index is not None
         num_seqs, kv_len = self.mask.shape[0], self.mask.shape[-1]
-        num_heads, head_dim = cache.shape[1], cache.shape[2]
+        num_heads, width = cache.shape[1], cache.shape[2]
         num_blocks = self.block_index.shape[0] // num_seqs
-        rows = cache.view(-1, (kv_len // num_blocks) * num_heads * head_dim)  # a row per block
+        rows = cache.view(-1, (kv_len // num_blocks) * num_heads * width)  # a row per block
         gathered = rows.index_select(0, self.block_index)
-        return gathered.view(num_seqs, kv_len, num_heads, head_dim).transpose(1, 2)
+        values = kv_quant.dequantize(gathered.view(num_seqs, kv_len, num_heads, width), dtype)
+        return values.transpose(1, 2)
 
 
 @dataclass(frozen=True)
@@ -307,10 +315,10 @@ def paged_attention(
     meta: AttentionMetadata,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend group by group (each query to
-    its last `window` positions, where given)."""
-    k_cache[meta.slot_mapping] = k
-    v_cache[meta.slot_mapping] = v
+    """Write this step's K/V into the cache (quantized, where it is), then attend group by
+    group (each query to its last `window` positions, where given)."""
+    kv_quant.write(k_cache, meta.slot_mapping, k)
+    kv_quant.write(v_cache, meta.slot_mapping, v)
     groups = meta.groups_within(window)
     if len(groups) == 1 and groups[0].token_index is None:
         return groups[0].attend(q, k, v, k_cache, v_cache)  # every token, in order
