@@ -67,7 +67,7 @@ class LLMEngine:
         )
         self.eos_token_ids = _eos_token_ids(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, args.vocab_size, self.eos_token_ids)
-        num_blocks = config.num_kv_blocks or self._blocks_for_memory(config)
+        num_blocks = config.num_kv_blocks or ModelRunner.blocks_for_memory(self.model, config)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.step_cost = StepCostModel()
         self.scheduler = Scheduler(
@@ -82,10 +82,6 @@ class LLMEngine:
         self.num_generation_tokens = 0
         if config.calibrate_step_cost:
             self._calibrate_step_cost()
-
-    def _blocks_for_memory(self, config: EngineConfig) -> int:
-        per_block = ModelRunner.bytes_per_block(self.model, config.block_size, config.torch_dtype)
-        return max(2, int(config.kv_cache_memory_gb * 2**30) // per_block)
 
     # ---- requests in and out -------------------------------------------------
 
@@ -352,6 +348,9 @@ class LLMEngine:
             num_generation_tokens=self.num_generation_tokens,
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
+            num_kv_blocks=self.kv.pool.num_blocks,
+            kv_max_num_seqs=self.kv.num_seqs_fitting(self.max_model_len),
+            kv_cache_dtype=self.config.kv_cache_dtype,
             step_cost_s=self.step_cost.coefficients(),
             **self._spec_stats(),
         )

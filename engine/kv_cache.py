@@ -99,6 +99,10 @@ class KVCacheManager:
         """Fraction of blocks held by live requests (idle cached blocks count as free)."""
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
+    def num_seqs_fitting(self, num_tokens: int) -> int:
+        """Sequences of `num_tokens` tokens each that the whole pool holds at once."""
+        return self.pool.num_blocks // -(-num_tokens // self.block_size)
+
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:
         """The longest run of full blocks of this request already in the cache.
 

@@ -97,6 +97,14 @@ class EngineStats:
     """The batch cap this engine runs with (per replica)."""
     max_num_batched_tokens: int = 0
     """The per-step token budget."""
+    num_kv_blocks: int = 0
+    """Blocks in the KV pool: EngineConfig.num_kv_blocks, or what kv_cache_memory_gb holds
+    in kv_cache_dtype (a quantized cache holds more)."""
+    kv_max_num_seqs: int = 0
+    """Sequences of max_model_len tokens the KV pool holds at once: the batch the KV admits
+    when every request may grow to the context limit (max_num_seqs caps it either way)."""
+    kv_cache_dtype: str = "auto"
+    """How K/V are stored (EngineConfig.kv_cache_dtype)."""
     step_cost_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """Fitted step cost (engine/step_cost.py): a step takes base + per sequence in the
     batch + per token computed (a prefill chunk counts its length), in seconds."""

@@ -24,6 +24,7 @@ from engine.model.batch_invariance import make_batch_invariant
 from engine.model.llama import LayerKV, LlamaForCausalLM
 from engine.model.packed_linear import can_pack, pack_linears
 from engine.outputs import RunnerOutput, TokenLogprob
+from engine.quant import kv as kv_quant
 from engine.request import Request
 from engine.sampler import SampleRow, sample, token_logprobs, verify
 from engine.scheduler import SchedulerOutput
@@ -75,7 +76,7 @@ class ModelRunner:
         self.batch_invariant = config.batch_invariant and self._make_batch_invariant(
             config.max_num_batched_tokens
         )
-        self.kv_caches = self._allocate_kv_cache(num_blocks)
+        self.kv_caches = self._allocate_kv_cache(num_blocks, config.kv_cache_dtype)
         self.grammars: dict[Request, GrammarState] = {}
         """The matcher of each live constrained request (the engine adds and releases)."""
 
@@ -95,22 +96,28 @@ class ModelRunner:
             return False
         return make_batch_invariant(self.model, self.dtype, max_rows)
 
-    def _allocate_kv_cache(self, num_blocks: int) -> list[LayerKV]:
+    def _allocate_kv_cache(self, num_blocks: int, kv_cache_dtype: str) -> list[LayerKV]:
         args = self.model.args
-        shape = (num_blocks * self.block_size, args.num_kv_heads, args.head_dim)
+        storage = kv_quant.storage_dtype(kv_cache_dtype, self.dtype)
+        num_slots = num_blocks * self.block_size
 
-        def zeros() -> torch.Tensor:
+        def layer_cache() -> torch.Tensor:
             """An empty cache tensor of one layer's K or V."""
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return kv_quant.allocate(
+                num_slots, args.num_kv_heads, args.head_dim, storage, self.device
+            )
 
-        return [(zeros(), zeros()) for _ in range(args.num_layers)]
+        return [(layer_cache(), layer_cache()) for _ in range(args.num_layers)]
 
     @staticmethod
-    def bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-        """KV bytes one block takes across all layers: sizes the pool from a memory budget."""
+    def blocks_for_memory(model: LlamaForCausalLM, config: EngineConfig) -> int:
+        """KV blocks that `config.kv_cache_memory_gb` holds, in its kv_cache_dtype with the
+        scales counted, so a quantized cache gets the blocks it saves."""
         args = model.args
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * elem
+        storage = kv_quant.storage_dtype(config.kv_cache_dtype, config.torch_dtype)
+        row = kv_quant.row_bytes(args.head_dim, storage)
+        per_block = 2 * args.num_layers * config.block_size * args.num_kv_heads * row
+        return max(2, int(config.kv_cache_memory_gb * 2**30) // per_block)
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
