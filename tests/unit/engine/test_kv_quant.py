@@ -1,0 +1,231 @@
+"""A quantized KV cache (engine.quant.kv): its rows, the C kernel against the torch path
+over it, the capacity it buys, and an engine serving from it: greedy quality against the
+model-dtype cache over the quality prompts, the same tokens through prefix reuse,
+preemption and speculation, and seeded requests reproducible cold, warm and busy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.engine.bench_memory import compare_scores, continuation_scores
+from bench.engine.quant_quality import read_rows
+from engine.config import EngineConfig, SpecDecodeConfig
+from engine.kernels import paged_attention as kernels
+from engine.model import attention
+from engine.model.attention import AttentionMetadata, KernelGroup
+from engine.model.model_runner import ModelRunner
+from engine.quant import kv
+from engine.quant.awq import DEFAULT_CALIBRATION_PATH
+from engine.sampling_params import SamplingParams
+from testing.engine_helpers import Completion, greedy, run_requests
+
+KV_DTYPES = ["int8", "fp8_e4m3"]
+STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.uint8}
+MIN_TOP1 = {"int8": 0.97, "fp8_e4m3": 0.93}
+"""Teacher-forced top-1 agreement with the fp32 cache over 16 quality prompts: a floor
+against regressions (bench_memory measures all 64: int8 0.982, fp8 0.967)."""
+MAX_PPL_CHANGE = {"int8": 0.01, "fp8_e4m3": 0.02}
+NGRAM = SpecDecodeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3)
+TIGHT = dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=8)
+"""64 slots for 4 requests of up to ~50 tokens: some are preempted and recomputed."""
+PROMPTS = [
+    "The lighthouse keeper wrote in her log every night: the wind, the ships, the sea.",
+    "def fibonacci(n):",
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+    "Once upon a time, in a small village at the edge of a great forest, there lived",
+]
+SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, logprobs=5)
+BLOCK, HEADS, KV_HEADS = 4, 6, 2
+
+needs_kernel = pytest.mark.skipif(
+    not kernels.available(torch.float32), reason="no C compiler to build the kernel"
+)
+
+
+def test_unknown_kv_cache_dtype_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of .*'int8'"):
+        EngineConfig(kv_cache_dtype="int4")
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_rows_round_trip_within_half_a_code(kv_dtype):
+    storage = STORAGE[kv_dtype]
+    x = torch.randn(50, 3, 64) * torch.logspace(-3, 2, 50)[:, None, None]
+    x[0] = 0.0
+    rows = kv.quantize(x, storage)
+    assert rows.shape == (50, 3, 64 + kv.SCALE_BYTES) and rows.dtype == storage
+    back = kv.dequantize(rows, torch.float32)
+    assert torch.equal(back[0], x[0])
+    amax = x.abs().amax(-1, keepdim=True)
+    if storage == torch.int8:
+        bound = amax / 127 / 2 * 1.004  # the scale rounded to bf16 (8 bits)
+    else:  # 3 mantissa bits; subnormal steps of 2^-9 of the scale near zero
+        bound = x.abs() * 2**-4 + amax / 448 * 2**-10 * 1.01
+    assert ((back - x).abs() <= bound + 1e-30).all()
+
+
+def _case(q_lens: list[int], kv_lens: list[int], dtype: torch.dtype, storage, head_dim=16):
+    """Random quantized cache contents over scattered blocks, and this step's q/k/v."""
+    gen = torch.Generator().manual_seed(sum(kv_lens))
+    num_blocks = sum(-(-n // BLOCK) for n in kv_lens) + 5
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for n in kv_lens:
+        tables.append(order[: -(-n // BLOCK)])
+        order = order[-(-n // BLOCK) :]
+    k_cache, v_cache = (
+        kv.quantize(torch.randn(num_blocks * BLOCK, KV_HEADS, head_dim, generator=gen), storage)
+        for _ in range(2)
+    )
+    q, k, v = (
+        torch.randn(sum(q_lens), heads, head_dim, generator=gen).to(dtype)
+        for heads in (HEADS, KV_HEADS, KV_HEADS)
+    )
+    return q, k, v, k_cache, v_cache, tables
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+    ("q_lens", "kv_lens"),
+    [([1], [2]), ([1, 1, 1], [5, 17, 33]), ([3, 1, 5], [9, 40, 12]), ([1, 20, 2], [8, 20, 30])],
+)
+def test_kernel_on_a_quantized_cache_matches_the_torch_path(
+    q_lens, kv_lens, dtype, tolerance, kv_dtype
+):
+    """Queries with cached context: the torch path dequantizes what it gathers (a fresh
+    sequence's queries there attend to their own K/V, unquantized)."""
+    q, k, v, k_cache, v_cache, tables = _case(q_lens, kv_lens, dtype, STORAGE[kv_dtype])
+    outputs = []
+    for native in (False, True):
+        meta = AttentionMetadata.build(q_lens, kv_lens, tables, BLOCK, "cpu", dtype, native)
+        assert any(isinstance(g, KernelGroup) for g in meta.groups) == native
+        outputs.append(attention.paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta))
+    torch.testing.assert_close(outputs[1].float(), outputs[0].float(), atol=tolerance,
+                               rtol=tolerance)  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("head_dim", [20, 64, 80])
+def test_a_query_on_a_quantized_cache_is_bit_for_bit_the_same_alone_or_in_a_chunk(
+    kv_dtype, head_dim
+):
+    """Head dim 20 leaves a tail past the kernel's vectors, read code by code."""
+    q, _, _, k_cache, v_cache, tables = _case([21], [32], torch.float32, STORAGE[kv_dtype],
+                                              head_dim)  # fmt: skip
+    table, visible = torch.tensor(tables), torch.arange(12, 33)
+
+    def attend(rows: slice) -> torch.Tensor:
+        seq = torch.zeros(rows.stop - rows.start, dtype=torch.long)
+        return kernels.paged_attention(q[rows], k_cache, v_cache, table, seq, visible[rows], BLOCK)
+
+    together = attend(slice(0, 21))
+    for i in range(21):
+        assert torch.equal(attend(slice(i, i + 1)), together[i : i + 1]), i
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_the_kernel_decodes_every_code_as_torch_does(kv_dtype):
+    """One visible position: a query's output is that position's value row exactly."""
+    storage = STORAGE[kv_dtype]
+    if storage == torch.int8:
+        codes = torch.arange(-127, 129).clamp(max=127).to(torch.int8)
+    else:  # every e4m3 code but the two NaNs, which quantization never writes
+        codes = torch.arange(256)
+        codes = codes.masked_fill((codes == 0x7F) | (codes == 0xFF), 0).to(torch.uint8)
+    scale = torch.tensor([0.75], dtype=torch.bfloat16).view(storage).expand(4, 1, 2)
+    v_cache = torch.cat([codes.view(4, 1, 64), scale], dim=-1).repeat_interleave(BLOCK, 0)
+    k_cache = torch.zeros_like(v_cache)
+    tables, one_each = torch.arange(4)[:, None], torch.ones(4, dtype=torch.long)
+    q = torch.randn(4, 1, 64)
+    out = kernels.paged_attention(q, k_cache, v_cache, tables, torch.arange(4), one_each, BLOCK)
+    expected = kv.dequantize(v_cache[::BLOCK], torch.float32)
+    assert torch.equal(out, expected)
+
+
+def test_a_quantized_pool_holds_3_9x_the_blocks_of_an_fp32_one(engine):
+    budget = dict(dtype="float32", kv_cache_memory_gb=0.25)
+    auto = ModelRunner.blocks_for_memory(engine.model, EngineConfig(**budget))
+    for kv_dtype in KV_DTYPES:
+        blocks = ModelRunner.blocks_for_memory(
+            engine.model, EngineConfig(kv_cache_dtype=kv_dtype, **budget)
+        )
+        assert blocks / auto == pytest.approx(256 / 66, rel=0.01)  # 64 fp32 vs 64 + 2 bytes
+
+
+def test_stats_report_the_pools_capacity(make_engine):
+    engine = make_engine(kv_cache_dtype="int8", max_model_len=256)
+    stats = engine.stats()
+    assert (stats.num_kv_blocks, stats.kv_cache_dtype) == (64, "int8")
+    assert stats.kv_max_num_seqs == 64 // (256 // 16)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_greedy_on_a_quantized_cache_agrees_with_the_fp32_cache(make_engine, kv_dtype):
+    rows = read_rows(DEFAULT_CALIBRATION_PATH)[:16]
+    base = continuation_scores(make_engine(), rows)
+    quality = compare_scores(base, continuation_scores(make_engine(kv_cache_dtype=kv_dtype), rows))
+    assert quality["top1_agreement"] >= MIN_TOP1[kv_dtype], quality
+    assert quality["ppl_ratio"] == pytest.approx(1.0, abs=MAX_PPL_CHANGE[kv_dtype]), quality
+
+
+def _greedy_runs(engine, prompts: list[list[int]], together: bool) -> list[Completion]:
+    params = greedy(24, logprobs=2)
+    if together:
+        done = run_requests(engine, {f"p{i}": (p, params) for i, p in enumerate(prompts)})
+        return [done[f"p{i}"] for i in range(len(prompts))]
+    return [run_requests(engine, {"only": (p, params)})["only"] for p in prompts]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_greedy_is_the_same_through_prefix_reuse_preemption_and_speculation(
+    make_engine, tokenizer, kv_dtype
+):
+    """Each prompt alone, then again from the prefix cache, then all together with drafts;
+    on a pool too small for them, alone and then together (preempted). The block size
+    sets the kernel's order over the context, so each pool is compared with itself."""
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    plain = make_engine(kv_cache_dtype=kv_dtype)
+    cold = _greedy_runs(plain, prompts, together=False)
+    warm = _greedy_runs(plain, prompts, together=False)
+    assert sum(run.num_cached_tokens > 0 for run in warm) >= 2
+    speculating = make_engine(kv_cache_dtype=kv_dtype, spec_decode=NGRAM)
+    speculated = _greedy_runs(speculating, prompts, together=True)
+    assert speculating.stats().spec_num_draft_tokens > 0
+    tight = make_engine(kv_cache_dtype=kv_dtype, **TIGHT)
+    alone = _greedy_runs(tight, prompts, together=False)
+    preempted = _greedy_runs(tight, prompts, together=True)
+    assert tight.stats().num_preemptions > 0
+    for runs, expected in ((warm, cold), (speculated, cold), (preempted, alone)):
+        assert [r.token_ids for r in runs] == [r.token_ids for r in expected]
+        assert [r.logprobs for r in runs] == [r.logprobs for r in expected]
+
+
+def _busy(engine, prompt: list[int]) -> Completion:
+    """The seeded request beside five others of different lengths and settings."""
+    others = {
+        f"other-{i}": (
+            engine.tokenizer.encode(f"Question {i}: why is {i * 7} interesting? " * (i + 1)),
+            SamplingParams(max_tokens=8 + 4 * i, temperature=1.0 if i % 2 else 0.0),
+        )
+        for i in range(5)
+    }
+    return run_requests(engine, {**others, "seeded": (prompt, SEEDED)})["seeded"]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_seeded_request_on_a_quantized_cache_is_identical_cold_warm_busy(make_engine, kv_dtype):
+    runs: list[Completion] = []
+    for spec_decode in (None, NGRAM):
+        engine = make_engine(kv_cache_dtype=kv_dtype, spec_decode=spec_decode)
+        prompt = engine.tokenizer.encode(PROMPTS[0] + " The lighthouse keeper wrote")
+        runs.append(run_requests(engine, {"seeded": (prompt, SEEDED)})["seeded"])
+        runs.append(run_requests(engine, {"seeded": (prompt, SEEDED)})["seeded"])
+        assert runs[-1].num_cached_tokens > 0
+        runs.append(_busy(engine, prompt))
+    assert all(run.token_ids == runs[0].token_ids for run in runs), [r.text for r in runs]
+    assert all(run.logprobs == runs[0].logprobs for run in runs)
