@@ -1,0 +1,201 @@
+"""KV cache memory: what a quantized KV cache buys and what it costs, each against the
+model-dtype cache (`auto`) in the same run.
+
+- Capacity: at the same kv_cache_memory_gb, the sequences of max_model_len tokens the
+  pool holds at once (EngineStats.kv_max_num_seqs, what placement reads).
+- Long-context decode: 16 sequences of 2,000 distinct prompt tokens decoding together
+  (8 of 1,000 with --quick). Their prompts are computed first, in a round of their own,
+  so the timed round reads them from the prefix cache and only decodes; steps are timed
+  once every sequence has its first token.
+- Quality: every eval prompt of data/quality_prompts.jsonl with the default model's
+  reference continuation, scored teacher-forced through the paged cache (prompt
+  logprobs; under batch invariance every position reads K/V back from the cache): top-1
+  agreement with `auto` at the continuation's positions, perplexity of the continuation
+  against `auto`'s, and the largest change of a reference token's log-probability.
+
+    python -m bench.engine.bench_memory [--quick] [--kv-dtypes int8,fp8_e4m3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bench.engine.quant_quality import read_rows
+from bench.report import emit
+from engine.config import KV_CACHE_DTYPES, EngineConfig, auto_dtype_name
+from engine.engine import LLMEngine
+from engine.model.batch_invariance import request_reproducible_blas
+from engine.quant.awq import DEFAULT_CALIBRATION_PATH
+from engine.sampling_params import SamplingParams
+
+QUANTIZED = tuple(d for d in KV_CACHE_DTYPES if d != "auto")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The sizes of one run."""
+
+    context_len: int
+    """Prompt tokens of each long-context sequence."""
+    num_seqs: int
+    """Long-context sequences decoding together."""
+    num_decode_tokens: int
+    kv_cache_memory_gb: float
+    """Enough for the long-context round in the model's dtype (fp32: 46 kB a token)."""
+    num_prompts: int | None
+    """Quality prompts scored (None: all 64)."""
+    max_model_len: int = 2048
+    """The context capacity is counted at."""
+
+
+FULL = Settings(2000, 16, 32, kv_cache_memory_gb=2.0, num_prompts=None)
+QUICK = Settings(1000, 8, 16, kv_cache_memory_gb=0.5, num_prompts=16)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One KV dtype's figures."""
+
+    kv_max_num_seqs: int
+    num_kv_blocks: int
+    decode_tok_s: float
+    scores: list[list[tuple[float, int]]]
+    """Per prompt, per continuation position: (reference token's logprob, top-1 token)."""
+
+
+def engine_config(kv_cache_dtype: str, settings: Settings, threads: int) -> EngineConfig:
+    """The engine every KV dtype runs in: the machine's dtype, the same memory budget."""
+    return EngineConfig(
+        dtype=auto_dtype_name(),
+        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_memory_gb=settings.kv_cache_memory_gb,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=max(16, settings.num_seqs),
+        max_num_batched_tokens=512,
+        num_threads=threads,
+    )
+
+
+def long_prompts(vocab_size: int, settings: Settings) -> list[list[int]]:
+    """Distinct random prompts: no two sequences share a block, so each reads its own."""
+    rng = random.Random(0)
+    return [
+        [rng.randrange(vocab_size) for _ in range(settings.context_len)]
+        for _ in range(settings.num_seqs)
+    ]
+
+
+def decode_tok_s(engine: LLMEngine, settings: Settings) -> float:
+    """Output tokens per second of the sequences decoding together at full context."""
+    prompts = long_prompts(engine.model.args.vocab_size, settings)
+    prefill = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.run_all([(prompt, prefill) for prompt in prompts])
+    params = SamplingParams(max_tokens=settings.num_decode_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"long-{i}", prompt, params)
+    num_tokens, elapsed_s = 0, 0.0
+    while engine.has_unfinished():
+        start_s = time.perf_counter()
+        outputs = engine.step()
+        step_s = time.perf_counter() - start_s
+        if len(outputs) == settings.num_seqs and all(o.num_output_tokens > 1 for o in outputs):
+            num_tokens += len(outputs)
+            elapsed_s += step_s
+    return num_tokens / elapsed_s
+
+
+def continuation_scores(engine: LLMEngine, rows: list[dict]) -> list[list[tuple[float, int]]]:
+    """Per row, at each reference token: its log-probability and the top-1 token, scored
+    through the engine's paged cache."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    requests = [(row["prompt_ids"] + row["reference_ids"], params) for row in rows]
+    scores = []
+    for row, deltas in zip(rows, engine.run_all(requests), strict=True):
+        prompt_logprobs = next(d.prompt_logprobs for d in deltas if d.prompt_logprobs)
+        continuation = prompt_logprobs[len(row["prompt_ids"]) :]
+        scores.append([(s.logprob, s.top[0][0]) for s in continuation if s is not None])
+    return scores
+
+
+def compare_scores(
+    base: list[list[tuple[float, int]]], other: list[list[tuple[float, int]]]
+) -> dict[str, float]:
+    """Top-1 agreement, perplexity ratio (other / base) and the largest logprob change."""
+    pairs = [(b, o) for rows in zip(base, other, strict=True) for b, o in zip(*rows, strict=True)]
+    nll_change = sum(b[0] - o[0] for b, o in pairs) / len(pairs)
+    return {
+        "top1_agreement": sum(b[1] == o[1] for b, o in pairs) / len(pairs),
+        "ppl_ratio": math.exp(nll_change),
+        "logprob_err_max": max(abs(b[0] - o[0]) for b, o in pairs),
+    }
+
+
+def measure(kv_cache_dtype: str, settings: Settings, threads: int, rows: list[dict]) -> Measured:
+    """One engine with this KV dtype: its capacity, long-context decode and scores."""
+    engine = LLMEngine(engine_config(kv_cache_dtype, settings, threads))
+    stats = engine.stats()
+    measured = Measured(
+        kv_max_num_seqs=stats.kv_max_num_seqs,
+        num_kv_blocks=stats.num_kv_blocks,
+        decode_tok_s=decode_tok_s(engine, settings),
+        scores=continuation_scores(engine, rows),
+    )
+    del engine
+    gc.collect()
+    return measured
+
+
+def report(results: dict[str, Measured], common: dict) -> None:
+    """One JSON line per figure: each dtype's own, then each quantized one against auto."""
+    auto = results["auto"]
+    for name, result in results.items():
+        emit("memory", f"kv_capacity_seqs.{name}", result.kv_max_num_seqs, "seqs", **common)
+        emit("memory", f"kv_blocks.{name}", result.num_kv_blocks, "blocks", **common)
+        emit("memory", f"decode_long_ctx_tok_s.{name}", result.decode_tok_s, "tok/s", **common)
+        if name == "auto":
+            continue
+        capacity = result.kv_max_num_seqs / auto.kv_max_num_seqs
+        emit("memory", f"ratio.kv_capacity.{name}_vs_auto", capacity, "x", **common)
+        speed = result.decode_tok_s / auto.decode_tok_s
+        emit("memory", f"ratio.decode_long_ctx.{name}_vs_auto", speed, "x", **common)
+        quality = compare_scores(auto.scores, result.scores)
+        emit("memory", f"top1_agreement.kv_{name}", quality["top1_agreement"], "ratio", **common)
+        emit("memory", f"ppl_ratio.kv_{name}", quality["ppl_ratio"], "x", **common)
+        emit("memory", f"logprob_err_max.kv_{name}", quality["logprob_err_max"], "nats", **common)
+
+
+def main() -> None:
+    """Measure `auto` and each quantized KV dtype asked for; print JSON lines."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help=f"smaller: {QUICK}")
+    parser.add_argument("--kv-dtypes", default=",".join(QUANTIZED))
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    names = args.kv_dtypes.split(",")
+    unknown = [name for name in names if name not in QUANTIZED]
+    if unknown:
+        parser.error(f"unknown KV dtypes {unknown}; choose from {list(QUANTIZED)}")
+    request_reproducible_blas()
+    torch.set_num_threads(args.threads)
+    settings = QUICK if args.quick else FULL
+    rows = read_rows(DEFAULT_CALIBRATION_PATH)[: settings.num_prompts]
+    results = {name: measure(name, settings, args.threads, rows) for name in ["auto", *names]}
+    common = dict(
+        dtype=auto_dtype_name(), model="default", threads=args.threads, n_prompts=len(rows),
+        context_len=settings.context_len, num_seqs=settings.num_seqs,
+        kv_cache_memory_gb=settings.kv_cache_memory_gb, max_model_len=settings.max_model_len,
+    )  # fmt: skip
+    report(results, common)
+
+
+if __name__ == "__main__":
+    main()

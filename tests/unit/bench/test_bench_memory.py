@@ -1,0 +1,32 @@
+"""bench_memory's settings build valid engines that fit their round, and its comparison."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.engine.bench_memory import FULL, QUANTIZED, QUICK, compare_scores, engine_config
+from engine.config import KV_CACHE_DTYPES
+
+FP32_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
+"""The default model's K and V of one token in fp32: 30 layers, 3 KV heads of 64."""
+
+
+@pytest.mark.parametrize("settings", [FULL, QUICK], ids=["full", "quick"])
+def test_every_kv_dtype_gets_a_valid_engine_with_room_for_the_long_round(settings):
+    for kv_dtype in KV_CACHE_DTYPES:
+        config = engine_config(kv_dtype, settings, threads=2)
+        assert config.kv_cache_dtype == kv_dtype
+        assert config.max_num_seqs >= settings.num_seqs
+    tokens = settings.num_seqs * (settings.context_len + settings.num_decode_tokens + 16)
+    assert tokens * FP32_KV_BYTES_PER_TOKEN <= settings.kv_cache_memory_gb * 2**30
+    assert settings.context_len + settings.num_decode_tokens <= settings.max_model_len
+    assert set(QUANTIZED) == set(KV_CACHE_DTYPES) - {"auto"}
+
+
+def test_compare_scores_counts_top1_and_perplexity_over_all_positions():
+    base = [[(-0.5, 1), (-1.0, 2)], [(-2.0, 3)]]
+    other = [[(-0.5, 1), (-1.0, 9)], [(-2.3, 3)]]
+    quality = compare_scores(base, other)
+    assert quality["top1_agreement"] == pytest.approx(2 / 3)
+    assert quality["ppl_ratio"] == pytest.approx(2.718281828 ** (0.3 / 3))
+    assert quality["logprob_err_max"] == pytest.approx(0.3)
