@@ -8,21 +8,24 @@ parity runs in bf16 too: every dtype a pool may serve must keep the output exact
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
 import torch
+import xgrammar as xgr
 
 from engine.config import EngineConfig, SpecDecodeConfig
 from engine.engine import LLMEngine
+from engine.grammar import GrammarState
 from engine.model.chat import chat_prompt_ids
 from engine.model.students import latest_student
 from engine.outputs import EngineStats
 from engine.request import Request
 from engine.sampler import SampleRow, draw, probs_for, sample_row, verify
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GrammarSpec, SamplingParams
 from engine.spec_decode import (
     DraftLength,
     DraftModelProposer,
@@ -183,9 +186,7 @@ def stats_delta(before: EngineStats, after: EngineStats) -> dict[str, int]:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("spec", [NGRAM, WEAK_DRAFT], ids=["ngram", "draft4layers"])
-def test_greedy_parity_mixed_batch_with_preemption(
-    engine_for, plain_run, spec, dtype, monkeypatch
-):
+def test_greedy_parity_mixed_batch_with_preemption(engine_for, plain_run, spec, dtype, monkeypatch):
     expected = plain_run(run_mixed_batch, dtype=dtype)
 
     engine = engine_for(spec, dtype)
@@ -372,20 +373,27 @@ def always_accept(logits, row, draft_token_ids):
 
 
 def emitted_counts(
-    rule: Rule, params: SamplingParams, k: int, draft: str, seed: int
+    rule: Rule,
+    params: SamplingParams,
+    k: int,
+    draft: str,
+    seed: int,
+    grammar: xgr.CompiledGrammar | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Counts of the first emitted token, and of the second where the first draft survived.
 
     Drafts are drawn from the draft's processed distributions for `draft="sampled"`, with
     the noise the target draws with (as engine.spec_decode's draft model does);
-    `draft="one-hot"` proposes the same tokens every time, as prompt lookup does.
+    `draft="one-hot"` proposes the same tokens every time, as prompt lookup does. With a
+    `grammar`, each trial's request is held to it from its first token (a fresh matcher).
     """
     logits = TARGET_LOGITS[: k + 1]
     q = [probs_for(row, params) for row in DRAFT_LOGITS[:k]]
     first, second = torch.zeros(6), torch.zeros(6)
     for trial in range(NUM_SAMPLES):  # each trial is a request with its own seed
         trial_seed = seed * NUM_SAMPLES + trial
-        row = SampleRow(params, trial_seed, [], 0, ())
+        state = GrammarState(grammar) if grammar is not None else None
+        row = SampleRow(params, trial_seed, [], 0, (), grammar=state)
         if draft == "sampled":  # as the draft model does: racing with the target's noise
             draft_ids = [draw(q[i], trial_seed, i) for i in range(k)]
         else:
@@ -429,6 +437,43 @@ def test_verification_keeps_target_distribution(case):
 
     wrong, _ = emitted_counts(always_accept, params, k, draft, seed=11)
     assert not chi2_passes(wrong, probs_for(TARGET_LOGITS[0], params)), "the check is too weak"
+
+
+SIX_TOKENS = ["a", "b", "c", "d", "e", "</s>"]
+"""TARGET_LOGITS' vocabulary as text, the last its EOS, for a grammar over it."""
+POSITIONAL_GRAMMAR = ("[ab][cd][ae]", [(0, 1), (2, 3), (0, 4)])
+"""A regex allowing a different two of the six tokens at each position, and those ids."""
+
+
+@pytest.fixture(scope="module")
+def positional_grammar() -> xgr.CompiledGrammar:
+    info = xgr.TokenizerInfo(SIX_TOKENS, stop_token_ids=[5])
+    regex = xgr.Grammar.from_regex(POSITIONAL_GRAMMAR[0])
+    return xgr.GrammarCompiler(info).compile_grammar(regex)
+
+
+def constrained_target(position: int, params: SamplingParams) -> torch.Tensor:
+    """The target's processed distribution at `position` among what the grammar allows."""
+    allowed = list(POSITIONAL_GRAMMAR[1][position])
+    masked = torch.full_like(TARGET_LOGITS[position], float("-inf"))
+    masked[allowed] = TARGET_LOGITS[position][allowed]
+    return probs_for(masked, params)
+
+
+@pytest.mark.parametrize("case", list(SAMPLING_CASES))
+def test_verification_with_a_grammar_keeps_the_constrained_distribution(case, positional_grammar):
+    """The statistical test above with each request held to a grammar: emitted tokens
+    follow the target's distribution among the allowed tokens, whatever the drafts propose
+    (sampled drafts often propose forbidden ones; the one-hot draft is allowed)."""
+    params, k, draft = SAMPLING_CASES[case]
+    first, second = emitted_counts(verify, params, k, draft, 13, positional_grammar)
+    assert chi2_passes(first, constrained_target(0, params))
+    if k > 1:  # after an accepted first draft: the next target row, the next allowed pair
+        assert second.sum() > 1_000
+        assert chi2_passes(second, constrained_target(1, params))
+
+    wrong, _ = emitted_counts(always_accept, params, k, draft, 13, positional_grammar)
+    assert not chi2_passes(wrong, constrained_target(0, params)), "the check is too weak"
 
 
 @pytest.mark.parametrize("case", list(SAMPLING_CASES))
@@ -585,3 +630,52 @@ def test_student_draft_keeps_the_target_distribution(tiny_student_cache):
     probs = probs_for(logits.float(), params)
     counts = torch.bincount(seconds, minlength=probs.numel()).float()
     assert chi2_passes(counts, probs)
+
+
+# ---- constrained requests through the engine: speculation changes nothing ------------
+
+FRUIT_CHOICES = ["the red apple", "the green pear", "the yellow banana", "the purple plum"]
+FRUIT_PROMPT = (
+    "Pick one: the red apple, the green pear, the yellow banana or the purple plum. "
+    "Answer with your pick only."
+)
+NUM_CONSTRAINED = 120
+"""Seeded requests per side: enough for each choice that the model favours to be seen
+tens of times."""
+MAX_TV_DISTANCE = 0.23
+"""Two samples of 120 from one distribution over four choices are this far apart (total
+variation) with p < 0.001: simulated 20,000 times from uniform and skewed choices, the
+99.9th percentile was 0.20-0.225."""
+
+
+def total_variation(a: list[str], b: list[str]) -> float:
+    """Half the L1 distance between the empirical distributions of `a` and `b`."""
+    return 0.5 * sum(abs(a.count(c) / len(a) - b.count(c) / len(b)) for c in set(a) | set(b))
+
+
+def choose_fruit(engine: LLMEngine, seeds: range) -> dict[int, str]:
+    """Each seed's constrained answer (temperature 1.0, held to FRUIT_CHOICES)."""
+    prompt = chat_prompt_ids(engine.tokenizer, FRUIT_PROMPT)
+    grammar = GrammarSpec("choice", json.dumps(FRUIT_CHOICES))
+    params = SamplingParams(max_tokens=12, temperature=1.0, grammar=grammar)
+    requests = {f"fruit{seed}": (prompt, replace(params, seed=seed)) for seed in seeds}
+    tokens = run_all(engine, requests)
+    decode = engine.tokenizer.decode
+    return {seed: decode(tokens[f"fruit{seed}"], skip_special_tokens=True) for seed in seeds}
+
+
+@pytest.mark.parametrize("spec", [NGRAM, WEAK_DRAFT], ids=["ngram", "draft4layers"])
+def test_constrained_speculation_keeps_the_distribution_and_each_seed(engine_for, spec):
+    """Constrained, speculating (prompt lookup, a 4-layer draft) and not: the choices are
+    distributed alike over distinct seeds (total variation), and each seed's answer is
+    the one decoding without drafts gives."""
+    plain = choose_fruit(engine_for(None), range(2 * NUM_CONSTRAINED))
+    engine = engine_for(spec)
+    before = engine.stats()
+    speculated = choose_fruit(engine, range(NUM_CONSTRAINED))
+    delta = stats_delta(before, engine.stats())
+    assert delta["spec_num_accepted_tokens"] > 0, "no draft was ever accepted"
+    assert set(speculated.values()) <= set(FRUIT_CHOICES)
+    assert all(speculated[seed] == plain[seed] for seed in speculated)
+    other_seeds = [plain[seed] for seed in range(NUM_CONSTRAINED, 2 * NUM_CONSTRAINED)]
+    assert total_variation(list(speculated.values()), other_seeds) < MAX_TV_DISTANCE
