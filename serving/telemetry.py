@@ -230,6 +230,7 @@ def _log_fields(record: RequestRecord, model: str) -> dict[str, object]:
         "prompt_tokens": usage(record.choices).prompt_tokens,
         "output_tokens": usage(record.choices).completion_tokens,
         "ttft_ms": _ms(first.ttft_s if first else None),
+        "queue_ms": _ms(first.queue_time_s if first else None),
         "latency_ms": _ms(record.end_s - first.start_s if first else None),
     }
     if record.max_tokens is not None:

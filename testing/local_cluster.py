@@ -12,9 +12,8 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import ray
@@ -35,42 +34,75 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker_env(python_path: Sequence[Path]) -> dict[str, str]:
-    """Workers import the repo's packages (plus `python_path`) and use one torch thread."""
-    path = os.pathsep.join(str(p) for p in [REPO_ROOT, *python_path])
-    return {"RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+def _worker_env() -> dict[str, str]:
+    """Workers import the repo's packages and use one torch thread."""
+    return {"RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
 
 
-@contextmanager
-def serving(
-    config: TierserveConfig,
-    engine_cls: EngineFactory | None = None,
-    python_path: Sequence[Path] = (),
-) -> Iterator[str]:
-    """Run the app until the block ends; yields its base URL once /health answers 200.
+class SharedCluster:
+    """One private Ray cluster with Serve started, kept across `serving` blocks.
 
-    A private cluster tests or measures what is cached: a small pool without a student
-    waits rather than distil in the background (minutes of both cores)."""
-    pools = tuple(p.model_copy(update={"distill_if_missing": False}) for p in config.pools)
-    config = config.model_copy(update={"pools": pools})
-    port = free_port()
+    Starting and stopping a cluster costs tens of seconds on two cores; tests that
+    deploy one app after another share one (the integration tests' conftest holds it),
+    each block deploying its app and deleting it. A module that starts a cluster of its
+    own stops the shared one first (`stop`)."""
+
+    port: int | None = None
+    """Serve's HTTP port while the cluster runs."""
+
+    @classmethod
+    def start(cls) -> int:
+        """The running cluster's port, starting it if needed."""
+        if cls.port is None:
+            _start_ray()
+            cls.port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": cls.port})
+        return cls.port
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.port is not None:
+            cls.port = None
+            serve.shutdown()
+            ray.shutdown()
+
+
+def _start_ray() -> None:
     # Ray 2.60 local clusters turn on token auth, which breaks `serve.shutdown`.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(
         num_cpus=2,
         include_dashboard=False,
         _temp_dir=tempfile.mkdtemp(prefix="ts-ray-"),
-        runtime_env={"env_vars": _worker_env(python_path)},
+        runtime_env={"env_vars": _worker_env()},
     )
+
+
+@contextmanager
+def serving(
+    config: TierserveConfig, engine_cls: EngineFactory | None = None, shared: bool = False
+) -> Iterator[str]:
+    """Run the app until the block ends; yields its base URL once /health answers 200.
+
+    On a cluster of its own, started and stopped around the block, or with `shared` on
+    the SharedCluster. A private cluster tests or measures what is cached: a small pool
+    without a student waits rather than distil in the background (minutes of both cores)."""
+    pools = tuple(p.model_copy(update={"distill_if_missing": False}) for p in config.pools)
+    config = config.model_copy(update={"pools": pools})
+    own = not shared
+    if own:
+        SharedCluster.stop()
+    port = SharedCluster.start()
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config, engine_cls), name="tierserve", route_prefix="/", blocking=False)
         base_url = f"http://127.0.0.1:{port}"
         _wait_healthy(base_url)
         yield base_url
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if own:
+            SharedCluster.stop()
+        else:
+            serve.delete("tierserve")
 
 
 def _wait_healthy(base_url: str) -> None:

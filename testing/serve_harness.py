@@ -41,8 +41,9 @@ def fake_config(max_model_len: int = 4096, **updates: Any) -> TierserveConfig:
 
 @contextmanager
 def serving(config: TierserveConfig, engine_cls: EngineFactory | None = None) -> Iterator[str]:
-    """local_cluster.serving, as the tests use it."""
-    with local_cluster.serving(config, engine_cls) as base_url:
+    """The app on the shared cluster (tests/integration/conftest.py holds it), deleted
+    when the block ends."""
+    with local_cluster.serving(config, engine_cls, shared=True) as base_url:
         yield base_url
 
 
@@ -73,17 +74,30 @@ def wait_for_metric(
 
 
 def request_log(request_id: str, timeout_s: float = 10.0) -> dict[str, Any]:
-    """The ingress's log line for `request_id`, read from the replica log files of the Ray
-    session this process is connected to (<temp dir>/session_latest/logs/serve/)."""
-    logs_dir = Path(ray.get_runtime_context().get_temp_dir()) / "session_latest" / "logs" / "serve"
+    """The ingress's log line for `request_id` (lines reach the files a moment late)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        for path in logs_dir.glob("replica_tierserve_Ingress_*.log"):
-            for line in path.read_text(errors="replace").splitlines():
-                start = line.find('{"request_id": "')
-                if start >= 0 and request_id in line:
-                    fields, _ = json.JSONDecoder().raw_decode(line[start:])
-                    return fields
+        fields = request_logs().get(request_id)
+        if fields is not None:
+            return fields
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no log line for {request_id} under {logs_dir}")
+            raise TimeoutError(f"no log line for {request_id} under {_serve_logs_dir()}")
         time.sleep(0.2)
+
+
+def request_logs() -> dict[str, dict[str, Any]]:
+    """Every ingress log line by request id (as `x-tierserve-request-id` gives it, without
+    the `cmpl-` or `chatcmpl-` of the response's id), read from the replica log files of
+    the Ray session this process is connected to."""
+    lines = {}
+    for path in _serve_logs_dir().glob("replica_tierserve_Ingress_*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            start = line.find('{"request_id": "')
+            if start >= 0:
+                fields, _ = json.JSONDecoder().raw_decode(line[start:])
+                lines[fields["request_id"].rsplit("-", 1)[-1]] = fields
+    return lines
+
+
+def _serve_logs_dir() -> Path:
+    return Path(ray.get_runtime_context().get_temp_dir()) / "session_latest" / "logs" / "serve"

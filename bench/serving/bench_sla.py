@@ -52,12 +52,14 @@ import httpx
 
 from bench.prompts import chat_turn
 from bench.report import emit, log, percentile
+from bench.serving import cpu_shares
 from engine.model.chat import chat_prompt_ids
 from engine.process import configure_process
 from engine.sampling_params import SamplingParams
 from policies.tiers import Tier
 from serving.app_config import TierserveConfig, load_config
 from testing.local_cluster import serving
+from testing.serve_harness import request_logs
 
 BENCH = "sla"
 TIERS = ("interactive", "standard", "batch")
@@ -110,6 +112,11 @@ class Outcome:
     first_token_s: float | None = None
     """perf_counter time of the first and last content deltas."""
     last_token_s: float | None = None
+    request_id: str | None = None
+    server_ttft_ms: float | None = None
+    """From the ingress's log line: arrival at the ingress to its first token there."""
+    queue_ms: float | None = None
+    """From the ingress's log line: waiting in the engine before first scheduled."""
 
     def tokens_within(self, start_s: float, end_s: float) -> float:
         """Output tokens streamed between the two times, taken as evenly spread between the
@@ -162,6 +169,7 @@ class Client:
                 await r.aread()
                 return
             outcome.pool = r.headers.get("x-tierserve-pool")
+            outcome.request_id = r.headers.get("x-tierserve-request-id")
             outcome.predicted_ttft_ms = _header_float(r.headers, "x-tierserve-predicted-ttft-ms")
             outcome.predicted_tpot_ms = _header_float(r.headers, "x-tierserve-predicted-tpot-ms")
             await _read_stream(r, outcome)
@@ -235,6 +243,8 @@ class Window:
     outcomes: list[Outcome]
     start_s: float
     end_s: float
+    cpu_shares: dict[str, float] = field(default_factory=dict)
+    """Cores used by each kind of process over the window (bench/serving/cpu_shares.py)."""
 
     def tokens_per_s(self, pool: str | None = None) -> float:
         """Output tokens per second streamed within the window (by `pool`, if named)."""
@@ -249,8 +259,10 @@ class Window:
 async def timed(client: Client, streams: Sequence[str], seconds: float) -> Window:
     """A closed loop over `streams` for `seconds`, its requests alone in the window."""
     client.outcomes = []
+    before = cpu_shares.sample()
     start = await closed_loop(client, streams, seconds)
-    return Window(list(client.outcomes), start, start + seconds)
+    shares = cpu_shares.sample().shares_since(before)
+    return Window(list(client.outcomes), start, start + seconds, shares)
 
 
 async def protect(client: Client, plan: Plan) -> dict[str, Window]:
@@ -356,7 +368,21 @@ async def run_deployment(
                 await offered_load(client, rate, plan.rate_s, seed=i)
                 result["rates"][rate] = goodput(client, client.outcomes, "interactive")
             result["client"] = client
+            windows = [result["overload"], *result.get("protect", {}).values()]
+            add_server_timings([o for window in windows for o in window.outcomes])
     return result
+
+
+def add_server_timings(outcomes: Sequence[Outcome]) -> None:
+    """Each admitted request's first token as the ingress and the engine saw it (their log
+    lines), beside the client's: where a late first token waited."""
+    time.sleep(1.0)  # the last lines reach the files a moment late
+    lines = request_logs()
+    for outcome in outcomes:
+        fields = lines.get(outcome.request_id or "")
+        if fields is not None:
+            outcome.server_ttft_ms = fields.get("ttft_ms")
+            outcome.queue_ms = fields.get("queue_ms")
 
 
 async def pool_costs(http: httpx.AsyncClient) -> dict[str, float]:
@@ -383,6 +409,11 @@ def report(ours: dict[str, Any], shared: dict[str, Any], factor: float, out: Pat
         ratio = costs.get("offline", 0.0) / costs["interactive"]
         emit(BENCH, "ratio.cost_per_1k.offline_vs_interactive", ratio, "x", **extra, **costs)
     _report_prediction_error(ours["overload"].outcomes, extra)
+    _report_ttft_breakdown(ours["overload"].outcomes, extra)
+    for phase, window in {"overload": ours["overload"], **ours["protect"]}.items():
+        for kind, cores in window.cpu_shares.items():
+            if cores >= 0.01:
+                emit(BENCH, f"cpu_cores.{phase}.{kind}", cores, "cores", **extra)
     _plot(ours["rates"], shared["rates"], out / "sla_goodput_vs_load.png")
     phases = {"overload": ours["overload"], **ours["protect"]}
     for name, window in phases.items():
@@ -486,6 +517,24 @@ def _report_prediction_error(outcomes: list[Outcome], extra: dict) -> None:
                     n=len(absolute),
                     **extra,
                 )
+
+
+def _report_ttft_breakdown(outcomes: list[Outcome], extra: dict) -> None:
+    """Per pool and tier, the median first token as the client, the ingress and the engine's
+    queue saw it: time before the ingress (proxy, client), after it, and in the engine."""
+    groups: dict[tuple[str, str], list[Outcome]] = {}
+    for o in outcomes:
+        if o.ttft_s is not None and o.server_ttft_ms is not None and o.queue_ms is not None:
+            groups.setdefault((o.pool or "none", o.tier), []).append(o)
+    for (pool, tier), group in sorted(groups.items()):
+        parts = {
+            "client": percentile([o.ttft_s * 1000 for o in group if o.ttft_s], 50),
+            "ingress": percentile([o.server_ttft_ms or 0.0 for o in group], 50),
+            "engine_queue": percentile([o.queue_ms or 0.0 for o in group], 50),
+        }
+        for part, value in parts.items():
+            emit(BENCH, f"ttft_breakdown_ms.p50.{pool}.{tier}.{part}", value, "ms",
+                 n=len(group), **extra)  # fmt: skip
 
 
 def _plot(ours: dict[float, float], shared: dict[float, float], path: Path) -> None:

@@ -55,7 +55,7 @@ Stats = dict[tuple[str, str], Row]
 Headline = tuple[str, float, str]
 """(metric, value, unit) for report.emit."""
 
-LOCUSTFILE = REPO_ROOT / "load" / "locustfile.py"
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 DEFAULT_SERVE_CONFIG = REPO_ROOT / "configs" / "local.yaml"
 CSV_PREFIX = "locust"
 STOP_TIMEOUT_S = 60

@@ -20,7 +20,10 @@ import pytest
 from serving.config import ApiKeyConfig, GatewayConfig, RequestLimits
 from serving.http.gateway import Gateway
 from testing.fakes import FAIL_MARKER, FakeEngine
-from testing.serve_harness import fake_config, metric, request_log, serving, wait_for_metric
+from testing.local_cluster import (
+    serving,  # a cluster of its own: its workers read a key from the environment
+)
+from testing.serve_harness import fake_config, metric, request_log, wait_for_metric
 
 MODEL = "SmolLM2-135M-Instruct"
 OPEN_KEY = "open-secret"

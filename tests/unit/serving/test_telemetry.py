@@ -137,3 +137,17 @@ def test_a_completed_request_measures_its_prediction() -> None:
     error_sums = _samples(telemetry, "tierserve:prediction_error_ms_sum")
     assert error_sums[(("metric", "ttft"), ("pool", "fast"))] == pytest.approx(600.0)
     assert error_sums[(("metric", "tpot"), ("pool", "fast"))] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_log_line_splits_the_first_token_into_engine_queue_and_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """queue_ms (waiting in the engine) beside ttft_ms says where a late first token waited."""
+    telemetry = _telemetry(FakeEngine(EngineConfig()))
+    choice = ChoiceProgress(start_s=0.0, prompt_index=0)
+    first = RequestOutput("r", [1], "x", finished=True, queue_time_s=0.3)
+    choice.add(first, now_s=0.5)
+    with caplog.at_level(logging.INFO, logger=request_log.name):
+        telemetry.observe(RequestRecord("r", "k", TIER, "fast", "ok", [choice], end_s=0.5))
+    (line,) = _log_lines(caplog)
+    assert (line["queue_ms"], line["ttft_ms"]) == (300.0, 500.0)
