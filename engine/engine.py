@@ -41,7 +41,7 @@ CALIBRATION_STEPS = 4
 
 
 @dataclass
-class _Tracked:
+class _LiveSequence:
     """A live request with its output-side state: text so far and stop strings."""
 
     request: Request
@@ -76,7 +76,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, config)
         self._seed_source = random.Random(config.seed)
         self.speculator = _speculator(config, num_blocks)
-        self.requests: dict[str, _Tracked] = {}
+        self.requests: dict[str, _LiveSequence] = {}
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -104,9 +104,9 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
-        max_step_s: float | None = None,
+        tpot_target_s: float | None = None,
     ) -> None:
-        """Queue a request (validated first; ValueError says what is wrong). `max_step_s`
+        """Queue a request (validated first; ValueError says what is wrong). `tpot_target_s`
         is its time-per-token target, which the scheduler keeps steps within. A grammar is
         compiled here (cached by content), never inside a step."""
         if request_id in self.requests:
@@ -115,10 +115,10 @@ class LLMEngine:
         grammar = self._grammar_state(params)
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = Request(
-            request_id, list(prompt_token_ids), params, priority, max_step_s, self.eos_token_ids,
+            request_id, list(prompt_token_ids), params, priority, tpot_target_s, self.eos_token_ids,
             sampling_seed=seed,
         )  # fmt: skip
-        self.requests[request_id] = _Tracked(
+        self.requests[request_id] = _LiveSequence(
             request=request,
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens
@@ -299,7 +299,7 @@ class LLMEngine:
 
     def _output(
         self,
-        tracked: _Tracked,
+        tracked: _LiveSequence,
         token_ids: list[int],
         logprobs: list[TokenLogprob] | None,
         text: str,
@@ -383,7 +383,9 @@ def _speculator(config: EngineConfig, num_blocks: int) -> Speculator | None:
     return build_speculator(spec, DraftModelProposer(runner, kv))
 
 
-def _prompt_logprobs(tracked: _Tracked, token_ids: list[int]) -> list[TokenLogprob | None] | None:
+def _prompt_logprobs(
+    tracked: _LiveSequence, token_ids: list[int]
+) -> list[TokenLogprob | None] | None:
     """The prompt's scores, in the request's first output with tokens (else None)."""
     request = tracked.request
     first_output = bool(token_ids) and request.num_output_tokens == len(token_ids)

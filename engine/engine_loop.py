@@ -107,7 +107,7 @@ class EngineLoop:
             try:
                 self.engine.add_request(
                     message.request_id, message.prompt, message.params,
-                    message.urgency.priority, message.urgency.max_step_s,
+                    message.urgency.priority, message.urgency.tpot_target_s,
                 )  # fmt: skip
             except ValueError as exc:
                 return [(message.request_id, exc)]

@@ -34,8 +34,8 @@ class Urgency(NamedTuple):
 
     priority: int = 0
     """Lower runs first (vLLM's convention)."""
-    max_step_s: float | None = None
-    """Seconds per output token it was promised (None: no target); see Request.max_step_s."""
+    tpot_target_s: float | None = None
+    """Seconds per output token it was promised (None: no target); see Request.tpot_target_s."""
 
 
 DEFAULT_URGENCY = Urgency()
@@ -51,7 +51,7 @@ class Request:
     params: SamplingParams
     priority: int = 0
     """Lower runs first (vLLM's convention)."""
-    max_step_s: float | None = None
+    tpot_target_s: float | None = None
     """The time per output token this request was promised: while it runs, less urgent
     work joins a step only as far as the step still fits in it (engine/scheduler.py)."""
     eos_token_ids: frozenset[int] = frozenset()

@@ -9,7 +9,7 @@ When blocks run out, or a more urgent request waits on a full batch, the
 least urgent running request is preempted: its blocks are freed and it is
 recomputed from scratch later (with luck, from the prefix cache).
 
-Requests may carry a time-per-token target (`Request.max_step_s`). Their
+Requests may carry a time-per-token target (`Request.tpot_target_s`). Their
 decodes are scheduled first and always run; the rest of the step (prefill
 chunks, decodes without a target) is kept within the tightest target among
 them, predicted by the engine's fitted step cost (which knows that a chunk
@@ -206,16 +206,16 @@ class Scheduler:
         """Tokens `request` may compute this step: what is left of the token budget, cut
         to what keeps the step within the targets decoding in it (see the module docstring)."""
         budget = self.max_num_batched_tokens - out.total_tokens
-        if budget == 0 or request.max_step_s is not None and not _is_prefilling(request):
+        if budget == 0 or request.tpot_target_s is not None and not _is_prefilling(request):
             return budget  # a target's own decode always runs
-        if request.max_step_s is None and targets.waits_ahead_of(request):
+        if request.tpot_target_s is None and targets.waits_ahead_of(request):
             return 0
         if targets.limit_s is None:
             return budget
         step = (len(out.num_new_tokens) + 1, out.total_tokens, out.attended_positions)
         context = request.num_computed_tokens
         in_time = self.step_cost.tokens_within(targets.limit_s, *step, context)
-        if request.max_step_s is None:
+        if request.tpot_target_s is None:
             return min(budget, in_time)
         floor = max(1, self.step_cost.tokens_in(self.step_cost.step_s(*step), context))
         return min(budget, max(in_time, floor))
@@ -301,8 +301,8 @@ class _StepTargets:
     @classmethod
     def of(cls, running: list[Request], waiting: list[Request]) -> _StepTargets:
         """The targets of this step's running and waiting requests."""
-        decoding = [r.max_step_s for r in running if r.max_step_s and not _is_prefilling(r)]
-        queued = [r.priority for r in waiting if r.max_step_s is not None]
+        decoding = [r.tpot_target_s for r in running if r.tpot_target_s and not _is_prefilling(r)]
+        queued = [r.priority for r in waiting if r.tpot_target_s is not None]
         return cls(min(decoding, default=None), min(queued, default=None))
 
     def waits_ahead_of(self, request: Request) -> bool:
@@ -312,7 +312,7 @@ class _StepTargets:
 
 def _step_order(request: Request) -> tuple[bool, bool, tuple[int, int]]:
     """Requests with a target first, then decodes before prefills, then priority and arrival."""
-    return (request.max_step_s is None, _is_prefilling(request), request.sort_key)
+    return (request.tpot_target_s is None, _is_prefilling(request), request.sort_key)
 
 
 def _is_prefilling(request: Request) -> bool:

@@ -50,7 +50,7 @@ class StepCost:
 
 
 @dataclass(frozen=True)
-class InFlight:
+class InFlightSequence:
     """One sequence a pool is working on, as the ingress that sent it knows it."""
 
     priority: int
@@ -72,7 +72,7 @@ class PoolState:
     max_num_batched_tokens: int
     """Per replica and step."""
     cost: StepCost
-    in_flight: tuple[InFlight, ...] = ()
+    in_flight: tuple[InFlightSequence, ...] = ()
     max_queued: int = 0
     """Sequences allowed to wait beyond the batch slots, counted per priority level:
     a request is refused when more than this many of equal or more urgent priority
@@ -137,7 +137,7 @@ def _batch(pool: PoolState, num_sequences: int) -> int:
     return min(pool.max_num_seqs, math.ceil(num_sequences / max(1, pool.num_replicas)))
 
 
-def _slot_wait_s(pool: PoolState, ahead: Sequence[InFlight], tpot_s: float) -> float:
+def _slot_wait_s(pool: PoolState, ahead: Sequence[InFlightSequence], tpot_s: float) -> float:
     """Until a batch slot frees for the new request (0 when one is free now).
 
     The sequences ahead hold the slots in arrival order: the first `num_slots`
@@ -169,7 +169,7 @@ def _prefill_s(pool: PoolState, num_tokens: int, first_batch: int, batch: int) -
     return first_s + (num_steps - 1) * full + pool.cost.step_s(batch, num_decodes + last_chunk)
 
 
-def _mean_remaining(sequences: Sequence[InFlight]) -> float:
+def _mean_remaining(sequences: Sequence[InFlightSequence]) -> float:
     if not sequences:
         return 0.0
     return sum(s.num_remaining_tokens for s in sequences) / len(sequences)

@@ -27,7 +27,7 @@ from policies.tiers import Tier, meets_slo
 from serving.config import PoolConfig
 from serving.http.errors import ApiError
 from serving.http.routes import Call
-from serving.http.streaming import ChoiceProgress, usage
+from serving.http.streaming import SequenceProgress, usage
 from serving.pools.pool_monitor import PoolMonitor
 
 request_log = logging.getLogger("ray.serve.tierserve.requests")
@@ -49,7 +49,7 @@ class RequestRecord:
     pool: str
     status: str
     """`ok`, `aborted` (client left), `timeout` (past the tier's deadline) or `error`."""
-    choices: list[ChoiceProgress]
+    choices: list[SequenceProgress]
     end_s: float
     prompt_text: str | None = None
     """Only when config.log_prompts is on."""
@@ -181,7 +181,7 @@ class Telemetry:
         return generate_latest(self.registry)
 
     def _observe_choice(
-        self, labels: tuple[str, str, str], record: RequestRecord, choice: ChoiceProgress
+        self, labels: tuple[str, str, str], record: RequestRecord, choice: SequenceProgress
     ) -> None:
         self._prompt_tokens.labels(*labels).inc(choice.num_prompt_tokens)
         self._generation_tokens.labels(*labels).inc(choice.num_output_tokens)

@@ -111,19 +111,19 @@ def gemm_gflops(args: ModelArgs, num_tokens: int, dtype: torch.dtype, reps: int)
 
 
 def decode_itl_ms(
-    engine: LLMEngine, with_long_prefill: bool, max_step_s: float | None
+    engine: LLMEngine, with_long_prefill: bool, tpot_target_s: float | None
 ) -> list[float]:
     """Inter-token gaps of NUM_DECODE_STREAMS decoding streams: while a LONG_PROMPT-token
     prompt is prefilled beside them, or over as many steps alone. Every request carries
-    `max_step_s` as its time-per-token target, as the ingress sends the tier's."""
+    `tpot_target_s` as its time-per-token target, as the ingress sends the tier's."""
     params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0, ignore_eos=True)
     streams = [f"decode-{i}-{time.perf_counter()}" for i in range(NUM_DECODE_STREAMS)]
     for request_id, prompt in zip(streams, make_prompts(3, 100, 100, seed=7), strict=True):
-        engine.add_request(request_id, prompt, params, max_step_s=max_step_s)
+        engine.add_request(request_id, prompt, params, tpot_target_s=tpot_target_s)
     step_until_decoding(engine, set(streams))
     if with_long_prefill:
         long_prompt = make_prompts(1, LONG_PROMPT, LONG_PROMPT, seed=8)[0]
-        engine.add_request("long", long_prompt, replace(params, max_tokens=1), 0, max_step_s)
+        engine.add_request("long", long_prompt, replace(params, max_tokens=1), 0, tpot_target_s)
     last = dict.fromkeys(streams, time.perf_counter())
     gaps: list[float] = []
     for _ in range(LONG_PROMPT if with_long_prefill else 8):
@@ -223,12 +223,12 @@ def report_decode_beside_prefill(config: EngineConfig, slo_tpot_ms: float) -> No
     # first would otherwise find it cached and measure no prefill at all.
     engine = LLMEngine(replace(config, enable_prefix_caching=False))
     extra = {"chunk_tokens": config.max_num_batched_tokens, "slo_tpot_ms": slo_tpot_ms}
-    alone = decode_itl_ms(engine, with_long_prefill=False, max_step_s=None)
+    alone = decode_itl_ms(engine, with_long_prefill=False, tpot_target_s=None)
     emit(BENCH, "itl_ms.p95.decode_alone", percentile(alone, 95), "ms", **extra)
-    untargeted = decode_itl_ms(engine, with_long_prefill=True, max_step_s=None)
+    untargeted = decode_itl_ms(engine, with_long_prefill=True, tpot_target_s=None)
     emit(BENCH, "itl_ms.p95.decode_during_long_prefill.no_target", percentile(untargeted, 95),
          "ms", **extra)  # fmt: skip
-    targeted = decode_itl_ms(engine, with_long_prefill=True, max_step_s=slo_tpot_ms / 1000)
+    targeted = decode_itl_ms(engine, with_long_prefill=True, tpot_target_s=slo_tpot_ms / 1000)
     emit(BENCH, "itl_ms.p95.decode_during_long_prefill", percentile(targeted, 95), "ms", **extra)
 
 

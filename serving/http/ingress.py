@@ -59,10 +59,10 @@ from serving.http.openai_api import (
 )
 from serving.http.request_body import decode_json_object, read_body
 from serving.http.routes import Call, Route, RouteTable
-from serving.http.streaming import ChoiceProgress, merge_streams, usage
+from serving.http.streaming import SequenceProgress, merge_streams, usage
 from serving.pools.calls import first_answer
-from serving.pools.pool import PoolRequest
-from serving.pools.pool_monitor import PoolMonitor, TrackedSequence
+from serving.pools.pool import NewSequence
+from serving.pools.pool_monitor import PoolMonitor, SentSequence
 from serving.pools.slo_watch import SloWatch
 from serving.telemetry import Admission, RequestRecord, Telemetry
 
@@ -76,7 +76,7 @@ was created, and the runner's in-flight bound, not a rate limit, paces its lines
 
 
 @dataclass
-class Job:
+class AcceptedRequest:
     """An accepted request: where it runs, what it samples, and each choice's progress."""
 
     request_id: str
@@ -87,7 +87,7 @@ class Job:
     body: schemas.SamplingFields
     prompts: list[list[int]]
     params: SamplingParams
-    choices: list[ChoiceProgress]
+    choices: list[SequenceProgress]
     time_limit_s: float
     """The tier's deadline (or the app's request timeout), from arrival."""
     deadline_s: float
@@ -100,7 +100,7 @@ class Job:
     """The body's `user` (OpenAI's end-user id), for the request log."""
 
     @property
-    def max_step_s(self) -> float | None:
+    def tpot_target_s(self) -> float | None:
         """The time per token the pool must keep for this request: its tier's target,
         none once downgraded."""
         return None if self.placement.downgraded else self.tier.tpot_target_s
@@ -111,18 +111,18 @@ class Job:
         prompt = sum(len(self.prompts[c.prompt_index]) for c in self.choices)
         return prompt + self.params.max_tokens * len(self.choices)
 
-    def pool_requests(self) -> list[PoolRequest]:
+    def new_sequences(self) -> list[NewSequence]:
         """One engine request per choice; `n` copies of a seeded prompt get distinct seeds."""
         requests = []
         for index, choice in enumerate(self.choices):
             seed = None if self.params.seed is None else _nth_seed(self.params.seed, index)
             requests.append(
-                PoolRequest(
+                NewSequence(
                     request_id=f"{self.request_id}-{index}",
                     prompt_token_ids=self.prompts[choice.prompt_index],
                     params=replace(self.params, seed=seed),
                     priority=self.tier.priority,
-                    max_step_s=self.max_step_s,
+                    tpot_target_s=self.tpot_target_s,
                     stream=self.body.stream,
                 )
             )
@@ -238,16 +238,15 @@ class Ingress:
         with self._telemetry.refusals(admission):
             document = await self._read_document(request)
             tier = request.headers.get("x-sla-tier")
-            job = await self._accept(admission, document, endpoint, tier)
-        events = self._run(job)
-        headers = self._headers(job)
-        if not job.body.stream:
-            return JSONResponse(await self._collect(job, events), headers=headers)
+            accepted = await self._accept(admission, document, endpoint, tier)
+        events = self._run(accepted)
+        headers = self._headers(accepted)
+        if not accepted.body.stream:
+            return JSONResponse(await self._collect(accepted, events), headers=headers)
         # Wait for the first delta so an engine-side rejection is still a 400, not a broken stream.
         first = await anext(events)
-        return StreamingResponse(
-            self._sse(job, _prepend(first, events)), media_type="text/event-stream", headers=headers
-        )
+        stream = self._sse(accepted, _prepend(first, events))
+        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
 
     async def _read_document(self, request: Request) -> dict[str, Any]:
         """The body as a JSON object, within the configured size (413) and depth (400)."""
@@ -260,7 +259,7 @@ class Ingress:
     async def run_batch_line(
         self, url: str, document: dict[str, Any]
     ) -> tuple[int, dict[str, Any]]:
-        """One line of a batch job (the batch runner calls this), at the batch jobs' tier:
+        """One line of a batch accepted (the batch runner calls this), at the batch jobs' tier:
         the same checks and placement as over HTTP (not the key's rate limits: the runner
         paces its lines); answered as (status, JSON body)."""
         call = Call(uuid.uuid4().hex, time.monotonic(), BATCH_RUNNER)
@@ -269,8 +268,8 @@ class Ingress:
             document = {**document, "stream": False}
             with self._telemetry.refusals(admission):
                 tier = self._config.batch_jobs.tier
-                job = await self._accept(admission, document, ENDPOINTS[url], tier)
-            return 200, await self._collect(job, self._run(job))
+                accepted = await self._accept(admission, document, ENDPOINTS[url], tier)
+            return 200, await self._collect(accepted, self._run(accepted))
         except ApiError as error:
             refusal = error
         except Exception:
@@ -284,8 +283,8 @@ class Ingress:
         document: dict[str, Any],
         endpoint: type[Endpoint],
         tier_name: str | None,
-    ) -> Job:
-        """The request's job, charged to its caller and counted as admitted; the 4xx or 503
+    ) -> AcceptedRequest:
+        """The request's accepted, charged to its caller and counted as admitted; the 4xx or 503
         that refuses it otherwise (`admission` keeps what was learned, for its log line)."""
         admission.user = _end_user(document)
         body = parse_body(endpoint.schema, document)
@@ -296,18 +295,18 @@ class Ingress:
         tier = self._tier(tier_name, body, admission.call.caller)
         admission.tier = tier.name
         prompts = await asyncio.to_thread(endpoint.prompt_ids, body, self._tokenizer)
-        job = self._plan(admission, body, tier, prompts, endpoint)
-        self._gateway.charge(job.key, len(job.choices), job.num_reserved_tokens)
-        self._telemetry.count_admitted(tier.name, job.placement)
-        return job
+        accepted = self._plan(admission, body, tier, prompts, endpoint)
+        self._gateway.charge(accepted.key, len(accepted.choices), accepted.num_reserved_tokens)
+        self._telemetry.count_admitted(tier.name, accepted.placement)
+        return accepted
 
     async def _collect(
-        self, job: Job, events: AsyncIterator[tuple[int, RequestOutput]]
+        self, accepted: AcceptedRequest, events: AsyncIterator[tuple[int, RequestOutput]]
     ) -> dict[str, Any]:
         """A non-streamed answer: every delta gathered, then the whole response."""
         async for _ in events:
             pass
-        return job.endpoint.response(job.choices).model_dump(mode="json")
+        return accepted.endpoint.response(accepted.choices).model_dump(mode="json")
 
     def _place(
         self,
@@ -350,7 +349,7 @@ class Ingress:
         tier: Tier,
         prompts: list[list[int]],
         endpoint_cls: type[Endpoint],
-    ) -> Job:
+    ) -> AcceptedRequest:
         """Pool, sampling and deadline for a request, or the 4xx that refuses it."""
         choice, pool = self._place(admission, body, tier, prompts)
         call, placement = admission.call, admission.placement
@@ -360,12 +359,12 @@ class Ingress:
         prefix = "chatcmpl" if endpoint_cls is ChatEndpoint else "cmpl"
         request_id = f"{prefix}-{call.request_id}"
         choices = [
-            ChoiceProgress(start_s=call.start_s, prompt_index=i)
+            SequenceProgress(start_s=call.start_s, prompt_index=i)
             for i in range(len(prompts))
             for _ in range(body.n)
         ]
         time_limit_s = min(tier.deadline_s or math.inf, self._config.request_timeout_s)
-        return Job(
+        return AcceptedRequest(
             request_id=request_id,
             key=call.caller,
             tier=tier,
@@ -428,36 +427,36 @@ class Ingress:
             raise context_length_exceeded(num_prompt_tokens, max_tokens, max_model_len)
         return max_tokens
 
-    async def _run(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _run(self, accepted: AcceptedRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every choice's deltas as they arrive; leaving early (the client left, the deadline
         passed, a replica died) cancels them in the pool, which frees their KV blocks."""
-        handle = self._pools[job.pool].generate.options(stream=True)
+        handle = self._pools[accepted.pool].generate.options(stream=True)
         # With stream=True every call answers a generator; the stub can't tell.
         streams = [
-            cast(DeploymentResponseGenerator, handle.remote(pool_request))
-            for pool_request in job.pool_requests()
+            cast(DeploymentResponseGenerator, handle.remote(new_sequence))
+            for new_sequence in accepted.new_sequences()
         ]
         status = "aborted"
         sequences = [
-            TrackedSequence(job.tier.priority, len(r.prompt_token_ids), r.params.max_tokens)
-            for r in job.pool_requests()
+            SentSequence(accepted.tier.priority, len(r.prompt_token_ids), r.params.max_tokens)
+            for r in accepted.new_sequences()
         ]
-        with self._monitor.track(job.pool, sequences):
+        with self._monitor.track(accepted.pool, sequences):
             try:
-                async for index, output in merge_streams(streams, job.deadline_s):
-                    job.choices[index].add(output, time.monotonic())
+                async for index, output in merge_streams(streams, accepted.deadline_s):
+                    accepted.choices[index].add(output, time.monotonic())
                     sequences[index].num_output_tokens = output.num_output_tokens
                     yield index, output
                 status = "ok"
             except TimeoutError:
                 status = "timeout"
-                raise deadline_exceeded(job.time_limit_s) from None
+                raise deadline_exceeded(accepted.time_limit_s) from None
             except ValueError as error:  # the engine refused the input
                 status = "error"
                 raise bad_request(str(_cause(error))) from None
             except RayActorError as error:  # the replica died (Serve starts another)
                 status = "error"
-                log.warning("request %s lost its replica: %s", job.request_id, error)
+                log.warning("request %s lost its replica: %s", accepted.request_id, error)
                 raise replica_unavailable() from None
             except Exception:
                 status = "error"
@@ -465,62 +464,62 @@ class Ingress:
             finally:
                 for stream in streams:
                     stream.cancel()
-                self._telemetry.observe(self._record(job, status))
+                self._telemetry.observe(self._record(accepted, status))
 
     async def _sse(
-        self, job: Job, events: AsyncIterator[tuple[int, RequestOutput]]
+        self, accepted: AcceptedRequest, events: AsyncIterator[tuple[int, RequestOutput]]
     ) -> AsyncIterator[str]:
         """OpenAI's chunk stream; an error mid-stream (deadline, dead replica, a fault of
         ours) is sent as an error event then `[DONE]`, never a hang or a cut stream."""
-        endpoint = job.endpoint
+        endpoint = accepted.endpoint
         try:
-            for chunk in endpoint.opening(len(job.choices)):
+            for chunk in endpoint.opening(len(accepted.choices)):
                 yield _event(chunk)
             async for index, output in events:
                 if output.new_text or output.finished or output.new_logprobs:
-                    yield _event(endpoint.delta(index, output, job.choices[index]))
-            if job.body.include_usage_chunk:
-                yield _event(endpoint.usage_chunk(usage(job.choices)))
+                    yield _event(endpoint.delta(index, output, accepted.choices[index]))
+            if accepted.body.include_usage_chunk:
+                yield _event(endpoint.usage_chunk(usage(accepted.choices)))
         except ApiError as error:
             yield _event(schemas.ErrorResponse(error=error.detail))
         except Exception:
-            log.exception("stream %s failed", job.request_id)
-            yield _event(schemas.ErrorResponse(error=internal_error(job.request_id).detail))
+            log.exception("stream %s failed", accepted.request_id)
+            yield _event(schemas.ErrorResponse(error=internal_error(accepted.request_id).detail))
         yield "data: [DONE]\n\n"
 
-    def _headers(self, job: Job) -> dict[str, str]:
+    def _headers(self, accepted: AcceptedRequest) -> dict[str, str]:
         """Every response names where it went."""
         headers = {
-            "x-tierserve-tier": job.tier.name,
-            "x-tierserve-pool": job.pool,
-            "x-tierserve-model": self._config.pool(job.pool).model_name,
+            "x-tierserve-tier": accepted.tier.name,
+            "x-tierserve-pool": accepted.pool,
+            "x-tierserve-model": self._config.pool(accepted.pool).model_name,
         }
-        prediction = job.placement.prediction
+        prediction = accepted.placement.prediction
         if prediction is not None:
             headers["x-tierserve-predicted-ttft-ms"] = f"{prediction.ttft_s * 1000:.0f}"
             headers["x-tierserve-predicted-tpot-ms"] = f"{prediction.tpot_s * 1000:.1f}"
-        if job.placement.downgraded:
+        if accepted.placement.downgraded:
             headers["x-tierserve-downgraded"] = "true"
-        if job.model_choice.difficulty is not None:
-            headers["x-tierserve-difficulty"] = f"{job.model_choice.difficulty:.3f}"
+        if accepted.model_choice.difficulty is not None:
+            headers["x-tierserve-difficulty"] = f"{accepted.model_choice.difficulty:.3f}"
         return headers
 
-    def _record(self, job: Job, status: str) -> RequestRecord:
+    def _record(self, accepted: AcceptedRequest, status: str) -> RequestRecord:
         log_prompts = self._config.log_prompts
-        prompt_text = self._tokenizer.decode(job.prompts[0]) if log_prompts else None
+        prompt_text = self._tokenizer.decode(accepted.prompts[0]) if log_prompts else None
         return RequestRecord(
-            request_id=job.request_id,
-            key_name=job.key.name,
-            tier=job.tier,
-            pool=job.pool,
+            request_id=accepted.request_id,
+            key_name=accepted.key.name,
+            tier=accepted.tier,
+            pool=accepted.pool,
             status=status,
-            choices=job.choices,
+            choices=accepted.choices,
             end_s=time.monotonic(),
             prompt_text=prompt_text,
-            request_text=job.body.routing_text if log_prompts else None,
-            max_tokens=job.body.requested_max_tokens,
-            user=job.user,
-            placement=job.placement,
+            request_text=accepted.body.routing_text if log_prompts else None,
+            max_tokens=accepted.body.requested_max_tokens,
+            user=accepted.user,
+            placement=accepted.placement,
         )
 
 

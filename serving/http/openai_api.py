@@ -22,7 +22,7 @@ from serving.http import schemas as s
 from serving.http.errors import bad_request
 from serving.http.logprobs import chat_logprobs, completion_logprobs
 from serving.http.request_fields import FieldRefused, served_fields
-from serving.http.streaming import ChoiceProgress, usage
+from serving.http.streaming import SequenceProgress, usage
 from serving.http.tool_calls import CallDelta, ToolCallStream, call_id, parse_tool_calls
 
 
@@ -162,7 +162,7 @@ class Endpoint(ABC):
         return []
 
     @abstractmethod
-    def delta(self, index: int, output: RequestOutput, choice: ChoiceProgress) -> BaseModel:
+    def delta(self, index: int, output: RequestOutput, choice: SequenceProgress) -> BaseModel:
         """A stream chunk carrying the new text (and logprobs, and the finish reason at the
         end) of one choice; `choice` already holds the output."""
 
@@ -171,7 +171,7 @@ class Endpoint(ABC):
         """The stream's final chunk carrying usage, when the client asked for it."""
 
     @abstractmethod
-    def response(self, choices: list[ChoiceProgress]) -> BaseModel:
+    def response(self, choices: list[SequenceProgress]) -> BaseModel:
         """The whole response of a non-streamed request."""
 
 
@@ -212,7 +212,7 @@ class ChatEndpoint(Endpoint):
             for i in range(num_choices)
         ]
 
-    def delta(self, index: int, output: RequestOutput, choice: ChoiceProgress) -> BaseModel:
+    def delta(self, index: int, output: RequestOutput, choice: SequenceProgress) -> BaseModel:
         """A `chat.completion.chunk` with the choice's new content and call deltas."""
         logprobs = None
         if self.with_logprobs:
@@ -238,7 +238,7 @@ class ChatEndpoint(Endpoint):
             id=self.response_id, created=self.created, model=self.model, choices=[], usage=usage
         )
 
-    def response(self, choices: list[ChoiceProgress]) -> BaseModel:
+    def response(self, choices: list[SequenceProgress]) -> BaseModel:
         """A `chat.completion` with every choice and the usage."""
         return s.ChatCompletionResponse(
             id=self.response_id,
@@ -248,7 +248,7 @@ class ChatEndpoint(Endpoint):
             usage=usage(choices),
         )
 
-    def _choice(self, index: int, choice: ChoiceProgress) -> s.ChatChoice:
+    def _choice(self, index: int, choice: SequenceProgress) -> s.ChatChoice:
         """A finished choice: its text, or the calls it made (finish_reason tool_calls)."""
         text = choice.text
         content, calls = parse_tool_calls(text) if self.reads_tool_calls else (text, [])
@@ -295,7 +295,7 @@ class CompletionEndpoint(Endpoint):
                 prompts.append(prompt)
         return prompts
 
-    def delta(self, index: int, output: RequestOutput, choice: ChoiceProgress) -> BaseModel:
+    def delta(self, index: int, output: RequestOutput, choice: SequenceProgress) -> BaseModel:
         """A `text_completion` chunk with the choice's new text; an echoed prompt comes in
         the choice's first chunk."""
         first = len(choice.text_parts) == 1
@@ -308,7 +308,7 @@ class CompletionEndpoint(Endpoint):
         """A chunk with no choices and the usage."""
         return self._body([], usage)
 
-    def response(self, choices: list[ChoiceProgress]) -> BaseModel:
+    def response(self, choices: list[SequenceProgress]) -> BaseModel:
         """A `text_completion` with every choice and the usage."""
         return self._body(
             [
@@ -339,7 +339,7 @@ class CompletionEndpoint(Endpoint):
             index=index, text=part.text, logprobs=rendered, finish_reason=finish_reason
         )
 
-    def _echo(self, choice: ChoiceProgress) -> _Scored | None:
+    def _echo(self, choice: SequenceProgress) -> _Scored | None:
         """The choice's prompt with its tokens' scores, when echoing."""
         if not self.echo:
             return None
@@ -347,7 +347,7 @@ class CompletionEndpoint(Endpoint):
         scores = choice.prompt_logprobs or [None] * len(prompt.token_ids)
         return _Scored(prompt.text, prompt.token_ids, scores)
 
-    def _echo_length(self, choice: ChoiceProgress) -> int:
+    def _echo_length(self, choice: SequenceProgress) -> int:
         return len(self.echo[choice.prompt_index].text) if self.echo else 0
 
     def _body(self, choices: list[s.CompletionChoice], usage: s.Usage | None = None) -> BaseModel:

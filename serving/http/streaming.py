@@ -14,7 +14,7 @@ T = TypeVar("T")
 
 
 @dataclass
-class ChoiceProgress:
+class SequenceProgress:
     """What one choice has produced and when: feeds the response, usage and latency metrics."""
 
     start_s: float
@@ -73,7 +73,7 @@ class ChoiceProgress:
         return (self.last_token_s - self.first_token_s) / (self.num_output_tokens - 1)
 
 
-def usage(choices: list[ChoiceProgress]) -> Usage:
+def usage(choices: list[SequenceProgress]) -> Usage:
     """Token counts of a request; a prompt sampled n times is counted once, as OpenAI does."""
     prompt_tokens = sum({c.prompt_index: c.num_prompt_tokens for c in choices}.values())
     completion_tokens = sum(c.num_output_tokens for c in choices)

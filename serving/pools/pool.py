@@ -52,14 +52,14 @@ class Engine(Protocol):
 
 
 @dataclass(frozen=True)
-class PoolRequest:
+class NewSequence:
     """One sequence to generate: a prompt already tokenized and checked by the ingress."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
-    max_step_s: float | None = None
+    tpot_target_s: float | None = None
     """Its tier's time per output token, when the pool is to keep it (None: no target)."""
     stream: bool = True
     """Whether the caller reads deltas as they come. When not (a non-streamed answer, a
@@ -170,7 +170,7 @@ class Pool:
             self._grammar_mask_s = mask_cost_s(engine.tokenizer)
         self._engine = engine
 
-    async def generate(self, request: PoolRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: NewSequence) -> AsyncIterator[RequestOutput]:
         """Stream the engine's deltas; leaving early (cancel, disconnect) aborts in the engine.
 
         `aclosing` closes the engine's generator at once when Serve cancels
@@ -180,7 +180,7 @@ class Pool:
             request.prompt_token_ids,
             request.params,
             request.request_id,
-            Urgency(request.priority, request.max_step_s),
+            Urgency(request.priority, request.tpot_target_s),
         )
         # Engines implement `generate` as an async generator; the engine annotates an iterator.
         async with aclosing(cast(AsyncGenerator[RequestOutput, None], stream)):

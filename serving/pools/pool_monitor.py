@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.outputs import EngineStats
-from policies.latency import InFlight, PoolState, StepCost
+from policies.latency import InFlightSequence, PoolState, StepCost
 from serving.config import PoolConfig
 from serving.pools.calls import within
 from serving.pools.pool import ReplicaStats
@@ -46,7 +46,7 @@ class _Seen:
 
 
 @dataclass(eq=False)
-class TrackedSequence:
+class SentSequence:
     """One sequence the ingress sent to a pool; the ingress updates its output count."""
 
     priority: int
@@ -64,7 +64,7 @@ class PoolMonitor:
         self._pools = pools
         self._handles = handles
         self._poll_interval_s = poll_interval_s
-        self._in_flight: dict[str, list[TrackedSequence]] = {name: [] for name in pools}
+        self._in_flight: dict[str, list[SentSequence]] = {name: [] for name in pools}
         self._typical_output = dict.fromkeys(pools, float(TYPICAL_OUTPUT_TOKENS))
         self._replicas: dict[str, dict[str, _Seen]] = {name: {} for name in pools}
         self._max_model_len: dict[str, int] = {}
@@ -73,7 +73,7 @@ class PoolMonitor:
         """Replica time spent so far per pool: the basis of the cost metric."""
 
     @contextmanager
-    def track(self, pool: str, sequences: list[TrackedSequence]) -> Iterator[None]:
+    def track(self, pool: str, sequences: list[SentSequence]) -> Iterator[None]:
         """Count `sequences` as in flight on `pool` for the duration of the block; when it
         ends, their output lengths teach the pool's typical output length."""
         self._in_flight[pool].extend(sequences)
@@ -106,12 +106,12 @@ class PoolMonitor:
         """Every pool's state."""
         return {name: self.state(name) for name in self._pools}
 
-    def _in_flight_view(self, pool: str) -> Iterator[InFlight]:
+    def _in_flight_view(self, pool: str) -> Iterator[InFlightSequence]:
         typical = self._typical_output[pool]
         for s in self._in_flight[pool]:
             left = s.max_tokens - s.num_output_tokens
             expected = min(left, max(1.0, typical - s.num_output_tokens))
-            yield InFlight(
+            yield InFlightSequence(
                 s.priority, s.num_prompt_tokens, round(expected), s.num_output_tokens > 0
             )
 

@@ -27,7 +27,7 @@ from policies.replica_choice import (
     rank_replicas,
 )
 from serving.config import ReplicaChoiceSettings
-from serving.pools.pool import PoolRequest
+from serving.pools.pool import NewSequence
 
 _STATS_KEYS = frozenset({"num_running", "num_waiting", "max_num_seqs", "kv_cache_usage"})
 
@@ -135,12 +135,12 @@ class ReplicaChooser(FIFOMixin, RequestRouter):
         )
         return load.with_ongoing(self.replica_queue_len_cache.get(replica.replica_id))
 
-    def _prefix_hashes(self, request: PoolRequest) -> list[int]:
+    def _prefix_hashes(self, request: NewSequence) -> list[int]:
         """Hashes of the prompt's leading blocks: the key of prefix-cache affinity."""
         return prefix_hashes(request.prompt_token_ids, self._block_size, self._affinity_blocks)
 
 
-def _pool_request(pending_request: PendingRequest | None) -> PoolRequest | None:
+def _pool_request(pending_request: PendingRequest | None) -> NewSequence | None:
     """The generation a pending call carries; None for control calls (stats, model info)."""
     args = pending_request.args if pending_request is not None else []
-    return args[0] if args and isinstance(args[0], PoolRequest) else None
+    return args[0] if args and isinstance(args[0], NewSequence) else None

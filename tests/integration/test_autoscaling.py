@@ -25,7 +25,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from serving.app import _pool_options
 from serving.config import AutoscalingSettings, PoolConfig
-from serving.pools.pool import Pool, PoolRequest
+from serving.pools.pool import NewSequence, Pool
 from serving.pools.scaling import EngineLoadPolicy
 from testing.fakes import QueueingFakeEngine
 
@@ -132,7 +132,7 @@ async def wait_for_replicas(num_replicas: int) -> bool:
 
 async def generate(handle: DeploymentHandle, prompt_ids: list[int]) -> list[RequestOutput]:
     params = SamplingParams(max_tokens=LONG_TOKENS)
-    request = PoolRequest(uuid.uuid4().hex, prompt_ids, params, 0)
+    request = NewSequence(uuid.uuid4().hex, prompt_ids, params, 0)
     return [out async for out in handle.options(stream=True).generate.remote(request)]
 
 

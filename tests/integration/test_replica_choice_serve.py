@@ -24,7 +24,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from serving.app import _pool_options
 from serving.config import PoolConfig, ReplicaChoiceSettings
-from serving.pools.pool import EngineFactory, Pool, PoolRequest
+from serving.pools.pool import EngineFactory, NewSequence, Pool
 from testing.fakes import QueueingFakeEngine, StatslessQueueingFakeEngine
 
 BLOCK_SIZE = 4
@@ -87,7 +87,7 @@ def prompt(prefix: int, suffix: int) -> list[int]:
 def stream(
     handle: DeploymentHandle, prompt_ids: list[int], max_tokens: int
 ) -> DeploymentResponseGenerator:
-    request = PoolRequest(uuid.uuid4().hex, prompt_ids, SamplingParams(max_tokens=max_tokens), 0)
+    request = NewSequence(uuid.uuid4().hex, prompt_ids, SamplingParams(max_tokens=max_tokens), 0)
     return handle.options(stream=True).generate.remote(request)
 
 

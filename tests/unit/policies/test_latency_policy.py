@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from engine.grammar import mask_cost_s
-from policies.latency import InFlight, PoolState, StepCost, drain_s, predict
+from policies.latency import InFlightSequence, PoolState, StepCost, drain_s, predict
 from policies.placement import RequestShape, place
 from policies.tiers import Tier
 
@@ -31,8 +31,8 @@ def pool(name: str, in_flight=(), max_num_seqs=4, replicas=1, max_queued=4, pric
     )  # fmt: skip
 
 
-def decoding(priority: int, n: int, remaining: int = 50) -> list[InFlight]:
-    return [InFlight(priority, 100, remaining, prefilled=True) for _ in range(n)]
+def decoding(priority: int, n: int, remaining: int = 50) -> list[InFlightSequence]:
+    return [InFlightSequence(priority, 100, remaining, prefilled=True) for _ in range(n)]
 
 
 def test_a_constrained_request_pays_the_measured_mask_on_each_token(tokenizer):
@@ -68,7 +68,7 @@ def test_long_prompt_is_chunked_by_the_token_budget():
 
 
 def test_prompts_ahead_delay_the_first_token_but_less_urgent_ones_do_not():
-    waiting_batch = [InFlight(2, 500, 100, prefilled=False)]
+    waiting_batch = [InFlightSequence(2, 500, 100, prefilled=False)]
     urgent_view = predict(pool("bulk", waiting_batch), priority=0, num_prompt_tokens=100)
     batch_view = predict(pool("bulk", waiting_batch), priority=2, num_prompt_tokens=100)
     assert batch_view.ttft_s > urgent_view.ttft_s
@@ -84,8 +84,8 @@ def test_a_full_batch_makes_a_new_request_wait_for_slots():
 
 
 def test_queued_sequences_take_the_slots_that_free_first():
-    running = [InFlight(0, 10, remaining, prefilled=True) for remaining in (10, 20, 30, 40)]
-    queued = [InFlight(0, 10, 50, prefilled=False)]
+    running = [InFlightSequence(0, 10, remaining, prefilled=True) for remaining in (10, 20, 30, 40)]
+    queued = [InFlightSequence(0, 10, 50, prefilled=False)]
     p = predict(pool("fast", running + queued), priority=0, num_prompt_tokens=10)
     # The queued one takes the slot freed after 10 tokens; this request the next, after 20.
     prefill_s = COST.step_s(4, 3 + 20)  # both prompts computed beside 3 decodes
@@ -186,7 +186,7 @@ OFFLINE_COST = StepCost(base_s=0.045, per_seq_s=0.0065, per_token_s=0.0006)
 def overload_snapshot() -> dict[str, PoolState]:
     """Interactive pool: 4 interactive streams decoding, standard ones waiting behind;
     offline pool: its batch taken by less urgent work, none of it interactive."""
-    standard_waiting = [InFlight(1, 128, 64, prefilled=False) for _ in range(4)]
+    standard_waiting = [InFlightSequence(1, 128, 64, prefilled=False) for _ in range(4)]
     less_urgent = decoding(1, 16, remaining=32) + decoding(2, 24, remaining=32)
     return {
         "fast": PoolState(

@@ -16,7 +16,7 @@ from engine.outputs import RequestOutput
 from policies.placement import Placement
 from policies.tiers import Tier
 from serving.config import PoolConfig
-from serving.http.streaming import ChoiceProgress
+from serving.http.streaming import SequenceProgress
 from serving.pools.pool_monitor import PoolMonitor
 from serving.telemetry import RequestRecord, Telemetry
 from testing.fakes import FakeEngine, FakePoolHandle
@@ -79,7 +79,7 @@ def exported() -> dict[str, set[str]]:
 
 def _finished_request() -> RequestRecord:
     """A three-token request, so every histogram and counter has samples."""
-    choice = ChoiceProgress(start_s=0.0, prompt_index=0)
+    choice = SequenceProgress(start_s=0.0, prompt_index=0)
     for i in range(3):
         output = RequestOutput("r", [i], "x", finished=i == 2, queue_time_s=0.1)
         choice.add(output, now_s=0.2 + 0.05 * i)

@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.model.students import CARD_FILE, students_dir
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
-from serving.pools.pool import Pool, PoolRequest
+from serving.pools.pool import NewSequence, Pool
 from testing.fakes import FakeEngine
 
 
@@ -40,7 +40,7 @@ def test_routing_and_autoscaling_stats_report_the_engine_load(pool: Pool) -> Non
 def _deltas(pool: Pool, stream: bool, max_tokens: int = 5) -> list[RequestOutput]:
     """What the pool sends the ingress for one request (the fake writes a, b, c, ...)."""
     params = SamplingParams(max_tokens=max_tokens)
-    request = PoolRequest("r", [1, 2, 3], params, priority=0, stream=stream)
+    request = NewSequence("r", [1, 2, 3], params, priority=0, stream=stream)
 
     async def read() -> list[RequestOutput]:
         return [output async for output in pool.generate(request)]

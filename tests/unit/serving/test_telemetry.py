@@ -16,7 +16,7 @@ from policies.tiers import Tier
 from serving.config import CallerPolicy, PoolConfig
 from serving.http.errors import ApiError, payload_too_large, too_many_requests
 from serving.http.routes import Call
-from serving.http.streaming import ChoiceProgress
+from serving.http.streaming import SequenceProgress
 from serving.pools.pool_monitor import PoolMonitor
 from serving.telemetry import Admission, RequestRecord, Telemetry, request_log
 from testing.fakes import FakeEngine, FakePoolHandle
@@ -59,7 +59,7 @@ def test_spec_decode_counters_are_zero_without_speculation() -> None:
 
 def test_queue_time_comes_from_the_first_output() -> None:
     telemetry = _telemetry(FakeEngine(EngineConfig()))
-    choice = ChoiceProgress(start_s=0.0, prompt_index=0)
+    choice = SequenceProgress(start_s=0.0, prompt_index=0)
     for i, queue_time_s in enumerate([0.3, 0.3]):
         output = RequestOutput("r", [i], "x", finished=i == 1, queue_time_s=queue_time_s)
         choice.add(output, now_s=1.0 + i)
@@ -127,7 +127,7 @@ def test_an_admitted_request_logs_its_user_and_prediction(caplog: pytest.LogCapt
 
 def test_a_completed_request_measures_its_prediction() -> None:
     telemetry = _telemetry(FakeEngine(EngineConfig()))
-    choice = ChoiceProgress(start_s=0.0, prompt_index=0)
+    choice = SequenceProgress(start_s=0.0, prompt_index=0)
     for i in range(3):  # first token at 0.8 s, then one every 50 ms
         choice.add(RequestOutput("r", [i], "x", finished=i == 2), now_s=0.8 + 0.05 * i)
     placement = Placement("fast", "slo", Prediction(ttft_s=0.2, tpot_s=0.05, num_ahead=0))
@@ -144,7 +144,7 @@ def test_the_log_line_splits_the_first_token_into_engine_queue_and_the_rest(
 ) -> None:
     """queue_ms (waiting in the engine) beside ttft_ms says where a late first token waited."""
     telemetry = _telemetry(FakeEngine(EngineConfig()))
-    choice = ChoiceProgress(start_s=0.0, prompt_index=0)
+    choice = SequenceProgress(start_s=0.0, prompt_index=0)
     first = RequestOutput("r", [1], "x", finished=True, queue_time_s=0.3)
     choice.add(first, now_s=0.5)
     with caplog.at_level(logging.INFO, logger=request_log.name):

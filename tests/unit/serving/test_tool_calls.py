@@ -15,7 +15,7 @@ from engine.model.chat import chat_prompt_ids
 from engine.outputs import RequestOutput
 from serving.http.errors import ApiError
 from serving.http.openai_api import ChatEndpoint, parse_body, sampling_params
-from serving.http.streaming import ChoiceProgress
+from serving.http.streaming import SequenceProgress
 from serving.http.tool_calls import ParsedCall, ToolCallStream, parse_tool_calls
 
 WEATHER = {
@@ -69,7 +69,7 @@ def endpoint(tokenizer, body=None) -> ChatEndpoint:
 
 
 def whole_response(tokenizer, deltas: list[RequestOutput], body=None) -> dict[str, Any]:
-    choice = ChoiceProgress(start_s=0.0, prompt_index=0)
+    choice = SequenceProgress(start_s=0.0, prompt_index=0)
     for delta in deltas:
         choice.add(delta, 0.0)
     return endpoint(tokenizer, body).response([choice]).model_dump(mode="json")["choices"][0]
@@ -79,7 +79,7 @@ def streamed_calls(
     tokenizer, deltas: list[RequestOutput], body=None
 ) -> tuple[str, list[dict], str | None]:
     """Content, calls and finish reason assembled from the chunks as an OpenAI client does."""
-    rendering, progress = endpoint(tokenizer, body), ChoiceProgress(start_s=0.0, prompt_index=0)
+    rendering, progress = endpoint(tokenizer, body), SequenceProgress(start_s=0.0, prompt_index=0)
     content, calls, finish_reason = "", [], None
     for delta in deltas:
         progress.add(delta, 0.0)
