@@ -351,7 +351,7 @@ class LLMEngine:
             num_kv_blocks=self.kv.pool.num_blocks,
             kv_max_num_seqs=self.kv.num_seqs_fitting(self.max_model_len),
             kv_cache_dtype=self.config.kv_cache_dtype,
-            step_cost_s=self.step_cost.coefficients(),
+            step_cost=self.step_cost.coefficients(),
             **self._spec_stats(),
         )
 

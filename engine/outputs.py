@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from engine.request import Request
+from engine.step_cost import StepCostFit
 
 
 class TokenLogprob(NamedTuple):
@@ -105,7 +106,7 @@ class EngineStats:
     when every request may grow to the context limit (max_num_seqs caps it either way)."""
     kv_cache_dtype: str = "auto"
     """How K/V are stored (EngineConfig.kv_cache_dtype)."""
-    step_cost_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    step_cost: StepCostFit = StepCostFit()
     """Fitted step cost (engine/step_cost.py): a step takes base + per sequence in the
     batch + per token computed (a prefill chunk counts its length), in seconds."""
     spec_num_drafts: int = 0

@@ -15,6 +15,8 @@ Python: no tensor overhead on the step path.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 FORGETTING = 0.98
 """Weight kept by the past at each step: about the last 50 steps count."""
 PRIOR_S = (0.02, 0.002, 0.0005, 0.0)
@@ -27,6 +29,16 @@ ATTENDED_UNIT = 1000
 
 Vector = list[float]
 Matrix = list[list[float]]
+
+
+class StepCostFit(NamedTuple):
+    """What the engine reports of its step cost: a step takes base + per sequence in the
+    batch + per token computed, in seconds. The ingress predicts latency from it
+    (policies.latency.StepCost, which adds what serving measures apart)."""
+
+    base_s: float = 0.0
+    per_seq_s: float = 0.0
+    per_token_s: float = 0.0
 
 
 class StepCostModel:
@@ -89,12 +101,12 @@ class StepCostModel:
         _, _, per_token, per_attended = self._non_negative()
         return per_token + per_attended * context
 
-    def coefficients(self) -> tuple[float, float, float]:
-        """(base, per-sequence, per-token) seconds, each kept non-negative: more work never
+    def coefficients(self) -> StepCostFit:
+        """The fit as the engine reports it, each term kept non-negative: more work never
         makes a step faster. A token's attention at the contexts of recent steps is folded
         into its cost, for predictions that know no context (policies/latency.py)."""
         base, per_seq, per_token, per_attended = self._non_negative()
-        return base, per_seq, per_token + per_attended * self._positions_per_token
+        return StepCostFit(base, per_seq, per_token + per_attended * self._positions_per_token)
 
     def _non_negative(self) -> tuple[float, float, float, float]:
         """The fit with attended positions counted one by one, each term at least 0."""

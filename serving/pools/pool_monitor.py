@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -134,10 +134,15 @@ class PoolMonitor:
         live = self._live(pool)
         if not live:
             return StepCost(0.0, 0.0, 0.0)
-        columns = zip(*(seen.stats.step_cost_s for seen in live), strict=True)
-        base_s, per_seq_s, per_token_s = (sum(column) / len(live) for column in columns)
-        mask_s = sum(seen.grammar_mask_s for seen in live) / len(live)
-        return StepCost(base_s, per_seq_s, per_token_s, mask_s)
+        def mean(term: Callable[[_Seen], float]) -> float:
+            return sum(term(seen) for seen in live) / len(live)
+
+        return StepCost(
+            base_s=mean(lambda seen: seen.stats.step_cost.base_s),
+            per_seq_s=mean(lambda seen: seen.stats.step_cost.per_seq_s),
+            per_token_s=mean(lambda seen: seen.stats.step_cost.per_token_s),
+            per_constrained_row_s=mean(lambda seen: seen.grammar_mask_s),
+        )
 
     def unavailable_reason(self, pool: str) -> str | None:
         """Why a pool with no live replica is waiting (its model is still being made), as

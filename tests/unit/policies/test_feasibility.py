@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from engine.config import EngineConfig
 from engine.outputs import EngineStats
+from engine.step_cost import StepCostFit
 from policies.feasibility import TYPICAL_PROMPT_TOKENS, check_tier, idle_latency_ms
 from policies.latency import PoolState, StepCost
 from policies.tiers import Tier
@@ -64,8 +65,8 @@ class FittedEngine(FakeEngine):
 
     def stats(self) -> EngineStats:
         cost = self.step_cost  # the engine fits these three; replicas measure the mask apart
-        fitted = (cost.base_s, cost.per_seq_s, cost.per_token_s)
-        return dataclasses.replace(super().stats(), step_cost_s=fitted)
+        fitted = StepCostFit(cost.base_s, cost.per_seq_s, cost.per_token_s)
+        return dataclasses.replace(super().stats(), step_cost=fitted)
 
 
 def test_the_ingress_watch_warns_once_and_exports_the_verdict(caplog) -> None:  # noqa: ANN001
