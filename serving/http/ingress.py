@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import random
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, cast
 
@@ -29,39 +26,31 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.outputs import RequestOutput
-from engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
-from policies.difficulty import DifficultyModel, prompt_features
-from policies.model_routing import AUTO_MODEL, ModelChoice, ModelRoutes, choose_model
-from policies.placement import Placement, RequestShape, place
-from policies.tiers import Tier, resolve_tier
+from policies.difficulty import DifficultyModel
+from policies.model_routing import AUTO_MODEL
 from serving.batch.api import BatchApi
 from serving.config import CallerPolicy, IngressConfig
 from serving.http import schemas
+from serving.http.accepted import AcceptedRequest
 from serving.http.errors import (
     ApiError,
     bad_request,
-    context_length_exceeded,
     deadline_exceeded,
     internal_error,
-    model_unavailable,
-    pool_unavailable,
     replica_unavailable,
-    too_many_requests,
 )
 from serving.http.gateway import Gateway
 from serving.http.limits import check_limits
 from serving.http.openai_api import (
     ENDPOINTS,
-    ChatEndpoint,
     Endpoint,
     parse_body,
-    sampling_params,
 )
+from serving.http.planner import Planner
 from serving.http.request_body import decode_json_object, read_body
 from serving.http.routes import Call, Route, RouteTable
-from serving.http.streaming import SequenceProgress, merge_streams, usage
+from serving.http.streaming import merge_streams, usage
 from serving.pools.calls import first_answer
-from serving.pools.pool import NewSequence
 from serving.pools.pool_monitor import PoolMonitor, SentSequence
 from serving.pools.slo_watch import SloWatch
 from serving.telemetry import Admission, RequestRecord, Telemetry
@@ -73,60 +62,6 @@ MAX_USER_CHARS = 256
 BATCH_RUNNER = CallerPolicy(name="batch-runner")
 """The caller batch lines run as: the batch's creator was checked for the tier when it
 was created, and the runner's in-flight bound, not a rate limit, paces its lines."""
-
-
-@dataclass
-class AcceptedRequest:
-    """An accepted request: where it runs, what it samples, and each choice's progress."""
-
-    request_id: str
-    key: CallerPolicy
-    tier: Tier
-    pool: str
-    endpoint: Endpoint
-    body: schemas.SamplingFields
-    prompts: list[list[int]]
-    params: SamplingParams
-    choices: list[SequenceProgress]
-    time_limit_s: float
-    """The tier's deadline (or the app's request timeout), from arrival."""
-    deadline_s: float
-    """Monotonic time past which the request is aborted."""
-    placement: Placement
-    """Why this pool: the predicted latency and whether the request was downgraded."""
-    model_choice: ModelChoice
-    """Which model the request asked for or the router chose, and why."""
-    user: str | None
-    """The body's `user` (OpenAI's end-user id), for the request log."""
-
-    @property
-    def tpot_target_s(self) -> float | None:
-        """The time per token the pool must keep for this request: its tier's target,
-        none once downgraded."""
-        return None if self.placement.downgraded else self.tier.tpot_target_s
-
-    @property
-    def num_reserved_tokens(self) -> int:
-        """What the request may cost at most: every choice's prompt plus max_tokens."""
-        prompt = sum(len(self.prompts[c.prompt_index]) for c in self.choices)
-        return prompt + self.params.max_tokens * len(self.choices)
-
-    def new_sequences(self) -> list[NewSequence]:
-        """One engine request per choice; `n` copies of a seeded prompt get distinct seeds."""
-        requests = []
-        for index, choice in enumerate(self.choices):
-            seed = None if self.params.seed is None else _nth_seed(self.params.seed, index)
-            requests.append(
-                NewSequence(
-                    request_id=f"{self.request_id}-{index}",
-                    prompt_token_ids=self.prompts[choice.prompt_index],
-                    params=replace(self.params, seed=seed),
-                    priority=self.tier.priority,
-                    tpot_target_s=self.tpot_target_s,
-                    stream=self.body.stream,
-                )
-            )
-        return requests
 
 
 @serve.deployment
@@ -144,8 +79,6 @@ class Ingress:
     ) -> None:
         self._config = config
         self._pools = pools
-        self._router = router
-        self._models = model_routes(config)
         # Pools of one family share a tokenizer; routing needs the token count first. The
         # default model's pools have it from the start (a small pool may still be waiting).
         self._tokenizer = await first_answer(
@@ -159,12 +92,20 @@ class Ingress:
         self._gateway = Gateway(config.gateway)
         self._monitor = PoolMonitor(pool_configs, pools, config.stats_poll_interval_s)
         self._telemetry = Telemetry(config.model_name, pool_configs, self._monitor)
+        self._planner = Planner(
+            config, router, self._gateway, self._monitor, self._telemetry, self._tokenizer
+        )
         await self._monitor.poll_once()
         self._poller = asyncio.create_task(self._monitor.poll_forever())
         self._slo_watch = SloWatch(config.tiers, self._monitor)
         self._slo_watch.check()
         self._telemetry.registry.register(self._slo_watch)
         self._slo_watcher = asyncio.create_task(self._slo_watch.watch_forever())
+        self._routes = self._route_table(batch_runner)
+
+    def _route_table(self, batch_runner: DeploymentHandle | None) -> RouteTable:
+        """The OpenAI routes, health and metrics, and the Batch API's when it runs."""
+        config = self._config
         routes: dict[tuple[str, str], Route] = {
             **{
                 ("POST", path): Route(partial(self._complete, endpoint=endpoint))
@@ -179,7 +120,7 @@ class Ingress:
                 batch_runner, config.batch_jobs, self._gateway, config.limits.max_json_depth
             )
             routes.update(batches.routes())
-        self._routes = RouteTable(routes)
+        return RouteTable(routes)
 
     async def __call__(self, request: Request) -> Response:
         """Answer one HTTP call; whatever happens, the answer is OpenAI-format JSON or SSE
@@ -207,7 +148,7 @@ class Ingress:
 
     async def _list_models(self, request: Request, call: Call) -> Response:
         """The models requests may name (`auto`, which lets the router choose, is not one)."""
-        names = [n for n in self._models.names if n != AUTO_MODEL]
+        names = [n for n in self._planner.model_names if n != AUTO_MODEL]
         cards = [schemas.ModelCard(id=name, created=0) for name in names]
         return JSONResponse(schemas.ModelList(data=cards).model_dump(mode="json"))
 
@@ -288,14 +229,15 @@ class Ingress:
         that refuses it otherwise (`admission` keeps what was learned, for its log line)."""
         admission.user = _end_user(document)
         body = parse_body(endpoint.schema, document)
-        if body.model not in self._models.names:
-            message = f"The model {body.model!r} does not exist; use one of {self._models.names}."
+        if body.model not in self._planner.model_names:
+            names = self._planner.model_names
+            message = f"The model {body.model!r} does not exist; use one of {names}."
             raise ApiError(404, message, code="model_not_found", param="model")
         check_limits(body, self._config.limits)
-        tier = self._tier(tier_name, body, admission.call.caller)
+        tier = self._planner.tier(tier_name, body, admission.call.caller)
         admission.tier = tier.name
         prompts = await asyncio.to_thread(endpoint.prompt_ids, body, self._tokenizer)
-        accepted = self._plan(admission, body, tier, prompts, endpoint)
+        accepted = self._planner.plan(admission, body, tier, prompts, endpoint)
         self._gateway.charge(accepted.key, len(accepted.choices), accepted.num_reserved_tokens)
         self._telemetry.count_admitted(tier.name, accepted.placement)
         return accepted
@@ -307,125 +249,6 @@ class Ingress:
         async for _ in events:
             pass
         return accepted.endpoint.response(accepted.choices).model_dump(mode="json")
-
-    def _place(
-        self,
-        admission: Admission,
-        body: schemas.SamplingFields,
-        tier: Tier,
-        prompts: list[list[int]],
-    ) -> tuple[ModelChoice, str]:
-        """The model and pool for a request (its placement kept in `admission`), or the
-        429 or 503 that refuses it."""
-        if not all(prompts):
-            raise bad_request("prompt must not be empty", param="prompt")
-        longest = max(len(p) for p in prompts)
-        shape = RequestShape(
-            longest,
-            body.requested_max_tokens or 0,
-            len(prompts) * body.n,
-            constrained=bool(body.grammar_params()),
-        )
-        choice = self._choose_model(body, tier, longest)
-        placement = place(choice.tier, shape, self._monitor.states(), jitter=random.random())
-        admission.placement = placement
-        if placement.reason == "unavailable" and choice.model == self._models.small_model:
-            why = self._monitor.unavailable_reason(choice.tier.pool)
-            raise model_unavailable(choice.model, why, placement.retry_after_s or 1)
-        if placement.reason == "unavailable":
-            raise pool_unavailable(tier.name, placement.retry_after_s or 1)
-        if placement.pool is None:
-            raise too_many_requests(
-                f"Tier {tier.name!r} is over capacity ({placement.reason}).",
-                placement.retry_after_s or 1,
-                reason=placement.reason,
-            )
-        return choice, placement.pool
-
-    def _plan(
-        self,
-        admission: Admission,
-        body: schemas.SamplingFields,
-        tier: Tier,
-        prompts: list[list[int]],
-        endpoint_cls: type[Endpoint],
-    ) -> AcceptedRequest:
-        """Pool, sampling and deadline for a request, or the 4xx that refuses it."""
-        choice, pool = self._place(admission, body, tier, prompts)
-        call, placement = admission.call, admission.placement
-        assert placement is not None  # _place placed it
-        longest = max(len(p) for p in prompts)
-        max_tokens = self._max_tokens(body.requested_max_tokens, longest, pool)
-        prefix = "chatcmpl" if endpoint_cls is ChatEndpoint else "cmpl"
-        request_id = f"{prefix}-{call.request_id}"
-        choices = [
-            SequenceProgress(start_s=call.start_s, prompt_index=i)
-            for i in range(len(prompts))
-            for _ in range(body.n)
-        ]
-        time_limit_s = min(tier.deadline_s or math.inf, self._config.request_timeout_s)
-        return AcceptedRequest(
-            request_id=request_id,
-            key=call.caller,
-            tier=tier,
-            pool=pool,
-            endpoint=endpoint_cls.for_request(
-                body,
-                prompts,
-                request_id,
-                int(time.time()),
-                self._config.pool(pool).model_name,
-                self._tokenizer,
-            ),
-            body=body,
-            prompts=prompts,
-            params=sampling_params(body, max_tokens),
-            choices=choices,
-            time_limit_s=time_limit_s,
-            deadline_s=call.start_s + time_limit_s,
-            placement=placement,
-            model_choice=choice,
-            user=admission.user,
-        )
-
-    def _choose_model(
-        self, body: schemas.SamplingFields, tier: Tier, num_tokens: int
-    ) -> ModelChoice:
-        """The model for this request (policies/model_routing.py); counted in the metrics."""
-        small_pool = self._models.small_pool
-        available = small_pool is not None and bool(self._monitor.replica_stats(small_pool))
-
-        def score() -> tuple[float, bool]:
-            """The router's verdict, computed only when the choice needs it."""
-            assert self._router is not None  # a small model is configured only with a router
-            features = prompt_features(body.routing_text, num_tokens, body.requested_max_tokens)
-            return self._router.score(features), self._router.routes_to_small(features)
-
-        choice = choose_model(body.model, tier, self._models, available, score)
-        self._telemetry.count_model_decision(tier.name, choice.model, choice.reason)
-        return choice
-
-    def _tier(self, header: str | None, body: schemas.SamplingFields, caller: CallerPolicy) -> Tier:
-        """The tier asked for (header, body, key default), if it exists and the key may use it."""
-        names = [t.name for t in self._config.tiers]
-        try:
-            name = resolve_tier(
-                header, body.tier, caller.default_tier, self._config.default_tier, names
-            )
-        except ValueError as error:
-            raise bad_request(str(error), param="tier") from None
-        self._gateway.authorize_tier(caller, name)
-        return self._config.tier(name)
-
-    def _max_tokens(self, requested: int | None, num_prompt_tokens: int, pool: str) -> int:
-        """The request's max_tokens, by default the rest of the context, as vLLM does."""
-        max_model_len = self._monitor.max_model_len(pool)
-        max_tokens = (
-            requested if requested is not None else max(1, max_model_len - num_prompt_tokens)
-        )
-        if num_prompt_tokens + max_tokens > max_model_len:
-            raise context_length_exceeded(num_prompt_tokens, max_tokens, max_model_len)
-        return max_tokens
 
     async def _run(self, accepted: AcceptedRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every choice's deltas as they arrive; leaving early (the client left, the deadline
@@ -523,23 +346,10 @@ class Ingress:
         )
 
 
-def model_routes(config: IngressConfig) -> ModelRoutes:
-    """The models the config serves: the default one and the small pool's, if any."""
-    small = config.small_model
-    if small is None:
-        return ModelRoutes(config.model_name)
-    return ModelRoutes(config.model_name, config.pool(small.pool).model_name, small.pool)
-
-
 def _end_user(document: dict[str, Any]) -> str | None:
     """The body's `user` (OpenAI's id of the caller's end user) when it is a string."""
     user = document.get("user")
     return user[:MAX_USER_CHARS] if isinstance(user, str) else None
-
-
-def _nth_seed(seed: int, index: int) -> int:
-    """`seed + index`, wrapped to stay a 64-bit seed (a seed near the top with n > 1)."""
-    return SEED_MIN + (seed + index - SEED_MIN) % (SEED_MAX - SEED_MIN + 1)
 
 
 def _event(chunk: BaseModel) -> str:

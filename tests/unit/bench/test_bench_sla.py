@@ -31,7 +31,7 @@ from bench.serving.bench_sla import (
 )
 from serving.app import build_app
 from serving.app_config import TierserveConfig, load_config
-from serving.http.ingress import model_routes
+from serving.http.planner import model_routes
 
 FACTOR = 2.5
 

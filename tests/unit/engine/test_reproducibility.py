@@ -51,6 +51,7 @@ def _cold_warm_busy(engine: LLMEngine, prompt: list[int]) -> list[Completion]:
     return runs + [_busy(engine, prompt) for _ in range(2)]
 
 
+@pytest.mark.slow  # left out of `make test-fast`; `make test` runs it
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_seeded_request_is_identical_cold_warm_busy_with_and_without_speculation(
     make_engine, dtype

@@ -184,7 +184,7 @@ def stats_delta(before: EngineStats, after: EngineStats) -> dict[str, int]:
 # ---- greedy parity -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("spec", [NGRAM, WEAK_DRAFT], ids=["ngram", "draft4layers"])
 def test_greedy_parity_mixed_batch_with_preemption(engine_for, plain_run, spec, dtype, monkeypatch):
     expected = plain_run(run_mixed_batch, dtype=dtype)
@@ -604,6 +604,7 @@ def test_speculator_skips_requests_it_cannot_verify_exactly():
 # ---- the distilled student as the draft: the distribution, end to end ----------
 
 
+@pytest.mark.slow  # left out of `make test-fast`; `make test` runs it
 def test_student_draft_keeps_the_target_distribution(tiny_student_cache):
     """Sampled through the engine with the student proposing drafts, the first verified
     token (the second output) follows the target's own distribution given the first."""
@@ -664,6 +665,7 @@ def choose_fruit(engine: LLMEngine, seeds: range) -> dict[int, str]:
     return {seed: decode(tokens[f"fruit{seed}"], skip_special_tokens=True) for seed in seeds}
 
 
+@pytest.mark.slow  # left out of `make test-fast`; `make test` runs it
 @pytest.mark.parametrize("spec", [NGRAM, WEAK_DRAFT], ids=["ngram", "draft4layers"])
 def test_constrained_speculation_keeps_the_distribution_and_each_seed(engine_for, spec):
     """Constrained, speculating (prompt lookup, a 4-layer draft) and not: the choices are

@@ -158,6 +158,7 @@ def test_the_round_trip_renders_calls_and_results_through_the_template(tokenizer
 # ---- forced calls through the engine ------------------------------------------------------
 
 
+@pytest.mark.slow  # left out of `make test-fast`; `make test` runs it
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_calls_parse_and_validate_at_temperature_one(engine, tokenizer, parallel):
     """Room for the most calls a forced output may hold (4 of about 35 tokens each)."""

@@ -100,6 +100,7 @@ def test_batches_point_each_answer_token_at_the_position_that_predicts_it():
         assert torch.equal(previous + 1, batch.top_ids[:, 0])
 
 
+@pytest.mark.slow  # left out of `make test-fast`; `make test` runs it
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
     teacher_dir = resolve_model_dir("default", EngineConfig().cache_dir)
     batches = make_batches(_examples(8), max_tokens=48, pad_id=0)
@@ -122,6 +123,7 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
     assert after["kd_loss"] < before["kd_loss"], "four steps on the same batches must fit them"
 
 
+@pytest.mark.slow  # left out of `make test-fast`; `make test` runs it
 def test_the_same_command_publishes_the_same_student(tiny_student_cache, tmp_path, capsys):
     """Bounded by steps, seeded, at one thread count: a second run in another cache gives
     the same weights to the last bit, and its log says how far it got."""
