@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from bench.paths import DATA_DIR
 from engine.config import default_cache_dir
 from engine.engine import LLMEngine
@@ -146,3 +148,17 @@ def tiny_distill_settings() -> DistillSettings:
         keep_layers=(0, 29),
         train=TrainSettings(max_steps=2),
     )
+
+
+def scattered_block_tables(
+    kv_lens: list[int], block_size: int, gen: torch.Generator
+) -> tuple[int, list[list[int]]]:
+    """A pool a few blocks larger than `kv_lens` need, and each sequence's blocks drawn from
+    it in random order: kernels must read a block table, not assume contiguous blocks."""
+    num_blocks = sum(-(-n // block_size) for n in kv_lens) + 5
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for n in kv_lens:
+        tables.append(order[: -(-n // block_size)])
+        order = order[-(-n // block_size) :]
+    return num_blocks, tables

@@ -18,7 +18,7 @@ from engine.model.model_runner import ModelRunner
 from engine.quant import kv
 from engine.quant.awq import DEFAULT_CALIBRATION_PATH
 from engine.sampling_params import SamplingParams
-from testing.engine_helpers import Completion, greedy, run_requests
+from testing.engine_helpers import Completion, greedy, run_requests, scattered_block_tables
 
 KV_DTYPES = ["int8", "fp8_e4m3"]
 STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.uint8}
@@ -68,12 +68,7 @@ def test_rows_round_trip_within_half_a_code(kv_dtype):
 def _case(q_lens: list[int], kv_lens: list[int], dtype: torch.dtype, storage, head_dim=16):
     """Random quantized cache contents over scattered blocks, and this step's q/k/v."""
     gen = torch.Generator().manual_seed(sum(kv_lens))
-    num_blocks = sum(-(-n // BLOCK) for n in kv_lens) + 5
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = []
-    for n in kv_lens:
-        tables.append(order[: -(-n // BLOCK)])
-        order = order[-(-n // BLOCK) :]
+    num_blocks, tables = scattered_block_tables(kv_lens, BLOCK, gen)
     k_cache, v_cache = (
         kv.quantize(torch.randn(num_blocks * BLOCK, KV_HEADS, head_dim, generator=gen), storage)
         for _ in range(2)

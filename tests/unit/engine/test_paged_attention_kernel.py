@@ -10,6 +10,7 @@ import torch
 from engine.kernels import paged_attention as kernels
 from engine.model import attention
 from engine.model.attention import AttentionMetadata, KernelGroup
+from testing.engine_helpers import scattered_block_tables
 
 BLOCK = 4
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16
@@ -18,12 +19,7 @@ HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16
 def _case(q_lens: list[int], kv_lens: list[int], dtype: torch.dtype, seed: int = 0):
     """Random cache contents, block tables scattered over a pool, and this step's q/k/v."""
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // BLOCK) for n in kv_lens) + 5
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = []
-    for n in kv_lens:
-        tables.append(order[: -(-n // BLOCK)])
-        order = order[-(-n // BLOCK) :]
+    num_blocks, tables = scattered_block_tables(kv_lens, BLOCK, gen)
     k_cache = torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     num_tokens = sum(q_lens)
