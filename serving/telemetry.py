@@ -293,6 +293,10 @@ _ENGINE_METRICS: tuple[tuple[type, str, str, Callable[[list[EngineStats]], float
      _sum("num_waiting")),
     (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1, mean of replicas.",
      lambda stats: _mean([s.kv_cache_usage for s in stats])),
+    (GaugeMetricFamily, "tierserve:kv_cache_blocks", "KV blocks over the live replicas "
+     "(more at the same memory with a quantized cache).", _sum("num_kv_blocks")),
+    (GaugeMetricFamily, "tierserve:kv_max_num_seqs", "Sequences of max_model_len tokens the "
+     "live replicas' KV caches hold at once.", _sum("kv_max_num_seqs")),
     (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the cache.",
      _sum("prefix_cache_queries")),
     (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",

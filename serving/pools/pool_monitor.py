@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -93,7 +94,7 @@ class PoolMonitor:
         return PoolState(
             name=pool,
             num_replicas=len(stats),
-            max_num_seqs=config.engine.max_num_seqs,
+            max_num_seqs=self._kv_slots(pool),
             max_num_batched_tokens=config.engine.max_num_batched_tokens,
             cost=self._step_cost(pool),
             in_flight=tuple(self._in_flight_view(pool)),
@@ -114,6 +115,19 @@ class PoolMonitor:
             yield InFlightSequence(
                 s.priority, s.num_prompt_tokens, round(expected), s.num_output_tokens > 0
             )
+
+    def _kv_slots(self, pool: str) -> int:
+        """Sequences a replica runs at once: max_num_seqs, or fewer where its KV cache holds
+        fewer sequences of the size the pool is serving (a quantized cache holds more,
+        EngineConfig.kv_cache_dtype); max_num_seqs until a replica reports its blocks."""
+        engine = self._pools[pool].engine
+        blocks = [s.num_kv_blocks for s in self.replica_stats(pool) if s.num_kv_blocks > 0]
+        if not blocks:
+            return engine.max_num_seqs
+        in_flight = self._in_flight[pool]
+        prompt = sum(s.num_prompt_tokens for s in in_flight) / len(in_flight) if in_flight else 0
+        per_sequence = math.ceil((prompt + self._typical_output[pool]) / engine.block_size)
+        return max(1, min(engine.max_num_seqs, min(blocks) // max(1, per_sequence)))
 
     def max_model_len(self, pool: str) -> int:
         """The pool's context length, as its replicas last reported it (placement only

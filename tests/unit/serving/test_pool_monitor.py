@@ -1,15 +1,19 @@
 """The pool monitor: when a pool has no live replica the others are still polled; what
-replicas measure reaches the latency model."""
+replicas measure (grammar masks, KV capacity) reaches the latency model."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+
+import pytest
 
 from engine.config import EngineConfig
+from engine.outputs import EngineStats
 from policies.latency import PoolState
 from serving.config import PoolConfig
-from serving.pools.pool_monitor import PoolMonitor
+from serving.pools.pool_monitor import TYPICAL_OUTPUT_TOKENS, PoolMonitor
 from testing.fakes import FakeEngine, FakePoolHandle
 
 POLL_INTERVAL_S = 0.05
@@ -45,3 +49,26 @@ def test_a_pool_without_replicas_does_not_hold_the_poll_of_the_others() -> None:
     # Each unanswered call was given up and cancelled, not left to pile up in Serve.
     assert len(down.calls) >= 2 and all(call.cancelled() for call in down.calls)
     assert len(up.calls) > len(down.calls)
+
+
+class CacheBoundEngine(FakeEngine):
+    """The fake engine with a KV cache of a given size, as a real replica reports it."""
+
+    num_kv_blocks = 0
+
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(super().stats(), num_kv_blocks=self.num_kv_blocks)
+
+
+@pytest.mark.parametrize("num_kv_blocks", [0, 20, 10_000])
+def test_placement_sees_as_many_slots_as_the_kv_cache_holds(num_kv_blocks: int) -> None:
+    """A replica runs max_num_seqs sequences, or as many of the pool's typical size as its
+    cache holds when that is fewer (a quantized cache holds more blocks)."""
+    engine = CacheBoundEngine(EngineConfig())
+    engine.num_kv_blocks = num_kv_blocks
+    monitor = PoolMonitor({"up": POOLS["up"]}, {"up": FakePoolHandle(engine)}, POLL_INTERVAL_S)
+    asyncio.run(monitor.poll_once())
+    config = POOLS["up"].engine
+    per_sequence = -(-TYPICAL_OUTPUT_TOKENS // config.block_size)
+    fitting = num_kv_blocks // per_sequence if num_kv_blocks else config.max_num_seqs
+    assert monitor.state("up").max_num_seqs == min(config.max_num_seqs, fitting)
