@@ -55,11 +55,11 @@ class Planner:
         self._tokenizer = tokenizer
 
     @property
-    def model_names(self) -> list[str]:
+    def model_names(self) -> tuple[str, ...]:
         """The models requests may name."""
         return self._models.names
 
-    def place(
+    def _place(
         self,
         admission: Admission,
         body: schemas.SamplingFields,
@@ -102,7 +102,7 @@ class Planner:
         endpoint_cls: type[Endpoint],
     ) -> AcceptedRequest:
         """Pool, sampling and deadline for a request, or the 4xx that refuses it."""
-        choice, pool = self.place(admission, body, tier, prompts)
+        choice, pool = self._place(admission, body, tier, prompts)
         call, placement = admission.call, admission.placement
         assert placement is not None  # place placed it
         longest = max(len(p) for p in prompts)
