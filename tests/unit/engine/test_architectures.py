@@ -168,6 +168,7 @@ def test_logits_match_transformers(model_dir: Path, hf_model, tokenizer) -> None
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # left out of `make test-fast`; `make test` runs it
 def test_chunked_preempted_and_prefix_cached_greedy_matches_transformers(
     model_dir: Path, hf_model, tokenizer
 ) -> None:
@@ -183,6 +184,7 @@ def test_chunked_preempted_and_prefix_cached_greedy_matches_transformers(
     assert_same_greedy_tokens(completion["hit"].token_ids, theirs, their_logits)
 
 
+@pytest.mark.slow  # left out of `make test-fast`; `make test` runs it
 def test_prompt_lookup_greedy_matches_transformers(model_dir: Path, hf_model, tokenizer) -> None:
     engine = engine_for(model_dir, max_num_batched_tokens=64, max_num_seqs=4, spec_decode=NGRAM)
     assert_matches_transformers(engine, hf_model, encode_all(tokenizer))

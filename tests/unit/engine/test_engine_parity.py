@@ -67,6 +67,7 @@ def assert_same_greedy_tokens(ours: list[int], theirs: list[int], their_logits: 
     assert ours == theirs
 
 
+@pytest.mark.slow  # left out of `make test-fast`; `make test` runs it
 def test_batched_chunked_preempted_greedy_matches_transformers(make_engine, hf_model, tokenizer):
     engine = make_engine(**TIGHT)
     prompts = [tokenizer.encode(text) for text in PROMPTS]

@@ -46,6 +46,7 @@ def constrained(kind: str, source: str = "", **kwargs) -> SamplingParams:
 @settings(
     max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
+@pytest.mark.slow  # left out of `make test-fast`; `make test` runs it
 @given(schemas=st.lists(SCHEMAS, min_size=4, max_size=4), seed=st.integers(0, 2**32))
 def test_sampled_json_validates_against_random_schemas(engine, schemas, seed):
     """Four random schemas in one batch at temperature 1.0: every output parses and
@@ -89,6 +90,7 @@ def test_json_object_regex_choice_and_ebnf(engine):
     assert re.fullmatch(r"\(\d+( \+ \d+)*\)", outputs["ebnf"].text)
 
 
+@pytest.mark.slow  # left out of `make test-fast`; `make test` runs it
 def test_seeded_constrained_request_is_reproducible_in_a_busy_batch(engine):
     """The mask depends on the request's own tokens only: alone or beside others, cold or
     warm, a seeded constrained request returns the same tokens."""

@@ -159,6 +159,7 @@ def test_stats_report_the_pools_capacity(make_engine):
     assert stats.kv_max_num_seqs == 64 // (256 // 16)
 
 
+@pytest.mark.slow  # left out of `make test-fast`; `make test` runs it
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_greedy_on_a_quantized_cache_agrees_with_the_fp32_cache(make_engine, kv_dtype):
     rows = read_rows(DEFAULT_CALIBRATION_PATH)[:16]
@@ -176,6 +177,7 @@ def _greedy_runs(engine, prompts: list[list[int]], together: bool) -> list[Compl
     return [run_requests(engine, {"only": (p, params)})["only"] for p in prompts]
 
 
+@pytest.mark.slow  # left out of `make test-fast`; `make test` runs it
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_greedy_is_the_same_through_prefix_reuse_preemption_and_speculation(
     make_engine, tokenizer, kv_dtype
@@ -212,6 +214,7 @@ def _busy(engine, prompt: list[int]) -> Completion:
     return run_requests(engine, {**others, "seeded": (prompt, SEEDED)})["seeded"]
 
 
+@pytest.mark.slow  # left out of `make test-fast`; `make test` runs it
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_seeded_request_on_a_quantized_cache_is_identical_cold_warm_busy(make_engine, kv_dtype):
     runs: list[Completion] = []

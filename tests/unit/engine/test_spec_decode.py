@@ -460,6 +460,7 @@ def constrained_target(position: int, params: SamplingParams) -> torch.Tensor:
     return probs_for(masked, params)
 
 
+@pytest.mark.slow  # left out of `make test-fast`; `make test` runs it
 @pytest.mark.parametrize("case", list(SAMPLING_CASES))
 def test_verification_with_a_grammar_keeps_the_constrained_distribution(case, positional_grammar):
     """The statistical test above with each request held to a grammar: emitted tokens
