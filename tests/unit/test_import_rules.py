@@ -4,7 +4,9 @@ and a broken rule is reported: the checker is run in process on the real code.""
 from __future__ import annotations
 
 import ast
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,8 +29,18 @@ forbidden_modules = engine
 
 
 @pytest.fixture
-def at_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
+def at_repo_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """At the checkout's root, with logging as it was: the checker configures logging for
+    its own output, which disabled every existing logger (so later tests' caplog saw
+    nothing)."""
     monkeypatch.chdir(REPO_ROOT)
+    loggers = [logging.getLogger(name) for name in logging.root.manager.loggerDict]
+    disabled = {logger: logger.disabled for logger in loggers}
+    handlers, level = list(logging.root.handlers), logging.root.level
+    yield
+    for logger, was_disabled in disabled.items():
+        logger.disabled = was_disabled
+    logging.root.handlers[:], logging.root.level = handlers, level
 
 
 def test_every_layer_keeps_its_import_rules(at_repo_root) -> None:
