@@ -66,11 +66,12 @@ def wait_for_metric(
     api_key: str | None = None,
     **labels: str,
 ) -> None:
-    """Poll until the metric reads `value` (stats reach /metrics one poll period late)."""
+    """Poll until the metric reads `value` (stats reach /metrics one poll period late, and
+    an aborted stream leaves the engine only when its abort has crossed the process pipe)."""
     deadline = time.monotonic() + timeout_s
-    while metric(base_url, name, api_key, **labels) != value and time.monotonic() < deadline:
+    while (seen := metric(base_url, name, api_key, **labels)) != value:
+        assert time.monotonic() < deadline, f"{name}{labels} read {seen}, not {value}"
         time.sleep(0.05)
-    assert metric(base_url, name, api_key, **labels) == value
 
 
 def request_log(request_id: str, timeout_s: float = 10.0) -> dict[str, Any]:

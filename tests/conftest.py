@@ -28,10 +28,18 @@ TESTS_DIR = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test under tests/integration/ `integration`, so `-m` selects by layer."""
+    """Mark every test under tests/integration/ `integration`, so `-m` selects by layer.
+
+    Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`) the integration
+    tests form one group: one worker runs them in their usual order, on the one Ray cluster
+    they share, while the other takes unit tests, whose torch uses one thread. Tests on the
+    tiny distilled student form another group, so only one worker distils it."""
     for item in items:
         if item.path.relative_to(TESTS_DIR).parts[0] == "integration":
             item.add_marker(pytest.mark.integration)
+            item.add_marker(pytest.mark.xdist_group("integration"))
+        elif "tiny_student_cache" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("student"))
 
 
 @pytest.fixture(scope="session")

@@ -46,7 +46,7 @@ def test_a_dying_replica_ends_streams_and_requests_cleanly(base_url: str) -> Non
         lines = stream.iter_lines()
         first = next(lines)
         assert json.loads(first.removeprefix("data: "))["choices"]
-        wait_for_metric(base_url, "vllm:num_requests_running", 2, timeout_s=10, pool="interactive")
+        wait_for_metric(base_url, "vllm:num_requests_running", 2, timeout_s=30, pool="interactive")
         kill_replica("pool-interactive")
         events = [line.removeprefix("data: ") for line in lines if line]
     plain.join(timeout=60)

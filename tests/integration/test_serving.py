@@ -132,10 +132,10 @@ def test_disconnect_mid_stream_frees_the_kv_blocks(base_url: str) -> None:
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=headers) as r:
         lines = r.iter_lines()  # kept: a dropped iterator would close the stream at once
         next(lines)
-        wait_for_metric(base_url, "vllm:num_requests_running", 1, timeout_s=5, pool="offline")
+        wait_for_metric(base_url, "vllm:num_requests_running", 1, timeout_s=30, pool="offline")
         assert metric(base_url, "vllm:kv_cache_usage_perc", pool="offline") > 0
-    wait_for_metric(base_url, "vllm:num_requests_running", 0, timeout_s=5, pool="offline")
-    wait_for_metric(base_url, "vllm:kv_cache_usage_perc", 0, timeout_s=5, pool="offline")
+    wait_for_metric(base_url, "vllm:num_requests_running", 0, timeout_s=30, pool="offline")
+    wait_for_metric(base_url, "vllm:kv_cache_usage_perc", 0, timeout_s=30, pool="offline")
 
 
 def test_context_length_exceeded_names_the_real_token_counts(base_url: str, tokenizer) -> None:
