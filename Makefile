@@ -29,13 +29,13 @@ generate: install
 	$(PY) -m engine.generate --prompt "$(or $(PROMPT),What is the capital of France?)"
 
 # Two workers: one runs the integration tests in order on one Ray cluster, the other the
-# unit tests (conftest.py groups them); `pytest` alone runs the same tests in one process.
+# unit tests (tests/conftest.py says how); `pytest` alone runs the same tests in one process.
 test: install
-	$(PY) -m pytest -n 2 --dist loadgroup --durations=25
+	$(PY) -m pytest -n 2 --dist loadscope --durations=25
 
 # One layer at a time, no Ray cluster, no subprocess: the loop while editing (< 3 min).
 test-fast: install
-	$(PY) -m pytest tests/unit -m "not slow" -n 2 --dist loadgroup
+	$(PY) -m pytest tests/unit -m "not slow" -n 2 --dist loadscope
 
 lint: install
 	$(VENV)/bin/ruff check engine policies serving small_model cli bench testing tests

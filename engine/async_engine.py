@@ -16,7 +16,9 @@ check can have the replica replaced.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
+import time
 from collections.abc import AsyncGenerator
 
 from engine.config import EngineConfig
@@ -66,6 +68,7 @@ class AsyncLLMEngine:
         if not self.core.is_alive(stall_timeout_s=math.inf):  # a slow step still serves
             del self._streams[request_id]
             raise RuntimeError("the engine loop is dead")
+        sent_s = time.time()
         self.core.send(AddRequest(request_id, prompt_token_ids, params, urgency))
         finished = False
         try:
@@ -76,7 +79,7 @@ class AsyncLLMEngine:
                 finished = item.finished
                 if item.finish_reason == "error":
                     raise EngineRequestError(item.error or "request failed in the engine")
-                yield item
+                yield _stamped(item, sent_s)
         finally:
             self._streams.pop(request_id, None)
             if not finished:
@@ -121,3 +124,12 @@ class AsyncLLMEngine:
 def _put_each(puts: list[tuple[asyncio.Queue, object]]) -> None:
     for stream, item in puts:
         stream.put_nowait(item)
+
+
+def _stamped(output: RequestOutput, sent_s: float) -> RequestOutput:
+    """The output with this front's instants in its first-token times (when it has them)."""
+    times = output.first_token_times
+    if times is None:
+        return output
+    times = times._replace(sent_s=sent_s, received_s=time.time())
+    return dataclasses.replace(output, first_token_times=times)

@@ -24,7 +24,13 @@ from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
 from engine.grammar import GrammarCompiler, GrammarState
 from engine.kv_cache import KVCacheManager
 from engine.model.model_runner import ModelRunner
-from engine.outputs import EngineStats, RequestOutput, RunnerOutput, TokenLogprob
+from engine.outputs import (
+    EngineStats,
+    FirstTokenTimes,
+    RequestOutput,
+    RunnerOutput,
+    TokenLogprob,
+)
 from engine.prompt_limits import PromptLimits
 from engine.quant.prepare import prepare_model
 from engine.request import Request
@@ -319,6 +325,7 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
             queue_time_s=request.queue_time_s,
+            first_token_times=_first_token_times(request, token_ids),
             error=error,
         )
 
@@ -388,8 +395,7 @@ def _prompt_logprobs(
 ) -> list[TokenLogprob | None] | None:
     """The prompt's scores, in the request's first output with tokens (else None)."""
     request = tracked.request
-    first_output = bool(token_ids) and request.num_output_tokens == len(token_ids)
-    if request.params.prompt_logprobs is None or not first_output:
+    if request.params.prompt_logprobs is None or not _is_first(request, token_ids):
         return None
     scores = tracked.prompt_logprobs
     return [None, *(scores[i] for i in range(1, len(request.prompt_token_ids)))]
@@ -398,3 +404,23 @@ def _prompt_logprobs(
 def _eos_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     eos = tokenizer.eos_token_id
     return frozenset({eos}) if isinstance(eos, int) else frozenset()
+
+
+def _is_first(request: Request, token_ids: list[int]) -> bool:
+    """This delta holds the request's first output token."""
+    return bool(token_ids) and len(token_ids) == request.num_output_tokens
+
+
+def _first_token_times(request: Request, token_ids: list[int]) -> FirstTokenTimes | None:
+    """On the delta with the first token: the request's monotonic arrival and scheduling as
+    wall-clock instants, now being its first token's (the front fills in its own two)."""
+    if not _is_first(request, token_ids):
+        return None
+    now_s, wall_s = time.monotonic(), time.time()
+    scheduled_s = request.first_scheduled_time_s or now_s
+    return FirstTokenTimes(
+        sent_s=None,
+        arrived_s=wall_s - (now_s - request.arrival_time_s),
+        scheduled_s=wall_s - (now_s - scheduled_s),
+        first_token_s=wall_s,
+    )

@@ -33,6 +33,24 @@ class RunnerOutput:
     """Requests whose own sampling raised, with the error: they end, the batch goes on."""
 
 
+class FirstTokenTimes(NamedTuple):
+    """Wall-clock instants (time.time(): one clock for every process on a host, and close
+    across hosts) on a request's way to its first token, so a TTFT that no queue explains
+    can be placed hop by hop. The engine fills the middle three; its async front, in the
+    pool replica, the first and the last."""
+
+    sent_s: float | None
+    """The front handed the request to its loop (None until the front fills it in)."""
+    arrived_s: float
+    """The loop took it from its inbox: it waits there while a step runs."""
+    scheduled_s: float
+    """The scheduler first put it in a step."""
+    first_token_s: float
+    """The step that sampled its first token ended."""
+    received_s: float | None = None
+    """The front got that output back from its loop."""
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     """The tokens and text a request gained in one step (a delta, not the whole)."""
@@ -56,6 +74,8 @@ class RequestOutput:
     """Prompt tokens served from the prefix cache."""
     queue_time_s: float | None = None
     """Time from arrival until the request was first scheduled."""
+    first_token_times: FirstTokenTimes | None = None
+    """On the output carrying the request's first token."""
 
     def then(self, later: RequestOutput) -> RequestOutput:
         """This delta and the request's next one as a single delta (tokens, text and
@@ -71,6 +91,7 @@ class RequestOutput:
             prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
             num_prompt_tokens=later.num_prompt_tokens or self.num_prompt_tokens,
             queue_time_s=self.queue_time_s if self.queue_time_s is not None else later.queue_time_s,
+            first_token_times=self.first_token_times or later.first_token_times,
         )
 
 

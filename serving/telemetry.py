@@ -233,6 +233,9 @@ def _log_fields(record: RequestRecord, model: str) -> dict[str, object]:
         "queue_ms": _ms(first.queue_time_s if first else None),
         "latency_ms": _ms(record.end_s - first.start_s if first else None),
     }
+    hops = first.ttft_hops_s() if first else None
+    if hops is not None:
+        fields["ttft_hops_ms"] = {hop: _ms(seconds) for hop, seconds in hops.items()}
     if record.max_tokens is not None:
         fields["max_tokens"] = record.max_tokens
     fields.update(_optional_fields(record.user, record.placement))

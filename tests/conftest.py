@@ -3,12 +3,14 @@ the markers a test's folder gives it: tests/integration/ starts Ray, servers or 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
+from xdist.scheduler import LoadScopeScheduling
 
 from engine.config import EngineConfig, default_cache_dir
 from engine.engine import LLMEngine
@@ -28,29 +30,44 @@ TESTS_DIR = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test under tests/integration/ `integration`, so `-m` selects by layer.
-
-    Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`) the integration
-    tests form one group: one worker runs them in their usual order, on the one Ray cluster
-    they share, while the other takes unit tests, whose torch uses one thread. Tests on the
-    tiny distilled student form another group, so only one worker distils it."""
+    """Mark every test under tests/integration/ `integration`, so `-m` selects by layer."""
     for item in items:
         if item.path.relative_to(TESTS_DIR).parts[0] == "integration":
             item.add_marker(pytest.mark.integration)
-            item.add_marker(pytest.mark.xdist_group("integration"))
-        elif "tiny_student_cache" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("student"))
+
+
+class LayerScheduling(LoadScopeScheduling):
+    """pytest-xdist's work units for `make test`'s two workers: the integration tests are
+    one unit, so one worker runs them in their usual order on the one Ray cluster they
+    share; every unit test is a unit of its own, for the other worker (and this one, once
+    its unit is done). Unit tests' torch uses one thread, so two workers use both cores."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return "integration" if nodeid.startswith("tests/integration/") else nodeid
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LayerScheduling:
+    return LayerScheduling(config, log)
+
+
+ENGINES_KEPT = 3
+"""Engines `make_engine` keeps alive: each holds its own copy of the model (0.5 GB in fp32),
+and the suite asks for some twenty configurations; tests asking for one ask in a row."""
 
 
 @pytest.fixture(scope="session")
 def make_engine() -> Callable[..., LLMEngine]:
-    """`make_engine(**overrides)`: an idle fp32 engine, built once per distinct config."""
-    engines: dict[EngineConfig, LLMEngine] = {}
+    """`make_engine(**overrides)`: an idle fp32 engine, built once per distinct config while
+    it is among the ENGINES_KEPT most recently asked for."""
+    engines: OrderedDict[EngineConfig, LLMEngine] = OrderedDict()
 
     def make(**overrides) -> LLMEngine:
         config = EngineConfig(**{**TEST_ENGINE_CONFIG, **overrides})
         if config not in engines:
             engines[config] = LLMEngine(config)
+            if len(engines) > ENGINES_KEPT:
+                engines.popitem(last=False)
+        engines.move_to_end(config)
         engine = engines[config]
         for request_id in list(engine.requests):  # left behind by a failed test
             engine.abort_request(request_id)

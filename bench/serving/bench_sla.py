@@ -115,8 +115,9 @@ class Outcome:
     request_id: str | None = None
     server_ttft_ms: float | None = None
     """From the ingress's log line: arrival at the ingress to its first token there."""
-    queue_ms: float | None = None
-    """From the ingress's log line: waiting in the engine before first scheduled."""
+    ttft_hops_ms: dict[str, float] | None = None
+    """From the ingress's log line: its first token, hop by hop (handle, engine inbox,
+    engine queue, steps, the ways back)."""
 
     def tokens_within(self, start_s: float, end_s: float) -> float:
         """Output tokens streamed between the two times, taken as evenly spread between the
@@ -382,7 +383,7 @@ def add_server_timings(outcomes: Sequence[Outcome]) -> None:
         fields = lines.get(outcome.request_id or "")
         if fields is not None:
             outcome.server_ttft_ms = fields.get("ttft_ms")
-            outcome.queue_ms = fields.get("queue_ms")
+            outcome.ttft_hops_ms = fields.get("ttft_hops_ms")
 
 
 async def pool_costs(http: httpx.AsyncClient) -> dict[str, float]:
@@ -520,18 +521,19 @@ def _report_prediction_error(outcomes: list[Outcome], extra: dict) -> None:
 
 
 def _report_ttft_breakdown(outcomes: list[Outcome], extra: dict) -> None:
-    """Per pool and tier, the median first token as the client, the ingress and the engine's
-    queue saw it: time before the ingress (proxy, client), after it, and in the engine."""
+    """Per pool and tier, the median first token as the client and the ingress saw it, and
+    the ingress's median of each hop on the way (serving/http/streaming.py)."""
     groups: dict[tuple[str, str], list[Outcome]] = {}
     for o in outcomes:
-        if o.ttft_s is not None and o.server_ttft_ms is not None and o.queue_ms is not None:
+        if o.ttft_s is not None and o.server_ttft_ms is not None and o.ttft_hops_ms:
             groups.setdefault((o.pool or "none", o.tier), []).append(o)
     for (pool, tier), group in sorted(groups.items()):
         parts = {
             "client": percentile([o.ttft_s * 1000 for o in group if o.ttft_s], 50),
             "ingress": percentile([o.server_ttft_ms or 0.0 for o in group], 50),
-            "engine_queue": percentile([o.queue_ms or 0.0 for o in group], 50),
         }
+        for hop in group[0].ttft_hops_ms or {}:
+            parts[hop] = percentile([(o.ttft_hops_ms or {}).get(hop) or 0.0 for o in group], 50)
         for part, value in parts.items():
             emit(BENCH, f"ttft_breakdown_ms.p50.{pool}.{tier}.{part}", value, "ms",
                  n=len(group), **extra)  # fmt: skip

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.outputs import FirstTokenTimes, RequestOutput, TokenLogprob
 from serving.http.schemas import Usage
 
 T = TypeVar("T")
@@ -34,6 +35,8 @@ class SequenceProgress:
     inter_token_s: list[float] = field(default_factory=list)
     queue_time_s: float | None = None
     """Engine-side wait before first scheduled, from the first output that reports it."""
+    first_token_times: FirstTokenTimes | None = None
+    """The engine's and its front's instants on the way to the first token."""
     finish_reason: str | None = None
 
     def add(self, output: RequestOutput, now_s: float) -> None:
@@ -53,6 +56,7 @@ class SequenceProgress:
         self.num_output_tokens += num_new
         if self.queue_time_s is None:
             self.queue_time_s = output.queue_time_s
+        self.first_token_times = self.first_token_times or output.first_token_times
         self.finish_reason = output.finish_reason
 
     @property
@@ -64,6 +68,25 @@ class SequenceProgress:
     def ttft_s(self) -> float | None:
         """Time to first token, from arrival at the ingress; None before it."""
         return None if self.first_token_s is None else self.first_token_s - self.start_s
+
+    def ttft_hops_s(self) -> dict[str, float] | None:
+        """Where the time to first token went, hop by hop (None without the engine's times):
+        the Serve handle to the pool replica, its loop's inbox (a running step holds it),
+        the engine queue, the steps to the first token, and the two ways back."""
+        times = self.first_token_times
+        if times is None or times.sent_s is None or times.received_s is None:
+            return None
+        if self.first_token_s is None:
+            return None
+        to_wall = time.time() - time.monotonic()
+        return {
+            "to_pool": times.sent_s - (self.start_s + to_wall),
+            "to_engine": times.arrived_s - times.sent_s,
+            "engine_queue": times.scheduled_s - times.arrived_s,
+            "to_first_token": times.first_token_s - times.scheduled_s,
+            "to_pool_back": times.received_s - times.first_token_s,
+            "to_ingress_back": (self.first_token_s + to_wall) - times.received_s,
+        }
 
     @property
     def tpot_s(self) -> float | None:

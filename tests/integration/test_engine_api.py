@@ -194,6 +194,20 @@ def test_async_generate_streams_what_the_sync_engine_produces(async_engine, engi
     assert streamed.finish_reason in ("stop", "length") and "Paris" in streamed.text
 
 
+def test_the_first_output_carries_the_instants_of_its_hops_in_order(async_engine, tokenizer):
+    async def outputs() -> list:
+        prompt = chat_prompt_ids(tokenizer, "Name a colour.")
+        return [o async for o in async_engine.generate(prompt, greedy(3), "timed")]
+
+    before = time.time()
+    first, *rest = asyncio.run(outputs())
+    times = first.first_token_times
+    assert times is not None and all(o.first_token_times is None for o in rest)
+    instants = [times.sent_s, times.arrived_s, times.scheduled_s, times.first_token_s]
+    assert before <= instants[0] and instants == sorted(instants)
+    assert times.first_token_s <= times.received_s <= time.time()
+
+
 def test_async_generate_refuses_bad_input_and_stays_alive(async_engine):
     with pytest.raises(ValueError, match="prompt must not be empty"):
         asyncio.run(collect(async_engine.generate([], greedy(4), "empty")))

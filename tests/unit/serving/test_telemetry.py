@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
 import pytest
 
 from engine.config import EngineConfig
-from engine.outputs import RequestOutput
+from engine.outputs import FirstTokenTimes, RequestOutput
 from policies.latency import Prediction
 from policies.placement import Placement
 from policies.tiers import Tier
@@ -151,3 +152,23 @@ def test_the_log_line_splits_the_first_token_into_engine_queue_and_the_rest(
         telemetry.observe(RequestRecord("r", "k", TIER, "fast", "ok", [choice], end_s=0.5))
     (line,) = _log_lines(caplog)
     assert (line["queue_ms"], line["ttft_ms"]) == (300.0, 500.0)
+
+
+def test_the_log_line_places_the_first_token_hop_by_hop(caplog: pytest.LogCaptureFixture) -> None:
+    """ttft_hops_ms: the engine's and its front's instants against the ingress's own; the
+    hops add up to the time to first token."""
+    telemetry = _telemetry(FakeEngine(EngineConfig()))
+    start_s = time.monotonic()
+    start_wall = time.time() - (time.monotonic() - start_s)
+    choice = SequenceProgress(start_s=start_s, prompt_index=0)
+    instants = [start_wall + offset for offset in (0.1, 0.3, 0.35, 1.35, 1.4)]
+    times = FirstTokenTimes(*instants)
+    choice.add(RequestOutput("r", [1], "x", finished=True, first_token_times=times), start_s + 1.5)
+    with caplog.at_level(logging.INFO, logger=request_log.name):
+        telemetry.observe(RequestRecord("r", "k", TIER, "fast", "ok", [choice], end_s=start_s + 2))
+    (line,) = _log_lines(caplog)
+    hops = line["ttft_hops_ms"]
+    expected = {"to_pool": 100, "to_engine": 200, "engine_queue": 50, "to_first_token": 1000}
+    expected |= {"to_pool_back": 50, "to_ingress_back": 100}
+    assert hops == pytest.approx(expected, abs=2)
+    assert sum(hops.values()) == pytest.approx(line["ttft_ms"], abs=2)
