@@ -17,7 +17,10 @@ each engine (engine/step_cost.py). Work spreads evenly over replicas.
                   (the engine runs no work without a target while a more urgent
                   request with one waits), so a full batch of batch work costs an
                   interactive request's first token nothing but its preemption
-    TTFT        = slot wait + prefill
+    step running = a request joins at a step boundary: while the pool works, it first waits
+                  out the step in progress, on average half of one (its decodes and
+                  the prompt tokens pending, up to the budget)
+    TTFT        = step running + slot wait + prefill
     TPOT        = one decode step at the batch the request will run in; with a
                   target, less urgent sequences join only up to it
     constrained = a request held to a grammar adds its row's mask (measured by each
@@ -119,9 +122,21 @@ def predict(
     tokens_per_replica = math.ceil(prefill_tokens / max(1, pool.num_replicas))
     prefill_s = _prefill_s(pool, tokens_per_replica, first_batch, batch)
     mask_s = pool.cost.per_constrained_row_s if constrained else 0.0
-    return Prediction(
-        ttft_s=wait_s + prefill_s + mask_s, tpot_s=tpot_s + mask_s, num_ahead=len(ahead)
-    )
+    ttft_s = step_in_progress_s(pool) + wait_s + prefill_s + mask_s
+    return Prediction(ttft_s=ttft_s, tpot_s=tpot_s + mask_s, num_ahead=len(ahead))
+
+
+def step_in_progress_s(pool: PoolState) -> float:
+    """What a request arriving now waits for the step in progress, on average (0 when the
+    pool is idle): half a step over the batch in flight and the prompt tokens pending, as
+    far as the budget takes them. A long prefill step on a busy pool is seconds on a CPU."""
+    if not pool.in_flight:
+        return 0.0
+    replicas = max(1, pool.num_replicas)
+    batch = _batch(pool, len(pool.in_flight))
+    pending = sum(s.num_prompt_tokens for s in pool.in_flight if not s.prefilled)
+    tokens = min(pool.max_num_batched_tokens, batch + math.ceil(pending / replicas))
+    return 0.5 * pool.cost.step_s(batch, tokens)
 
 
 def drain_s(pool: PoolState, num_sequences: int) -> float:

@@ -8,7 +8,14 @@ from dataclasses import replace
 import pytest
 
 from engine.grammar import mask_cost_s
-from policies.latency import InFlightSequence, PoolState, StepCost, drain_s, predict
+from policies.latency import (
+    InFlightSequence,
+    PoolState,
+    StepCost,
+    drain_s,
+    predict,
+    step_in_progress_s,
+)
 from policies.placement import RequestShape, place
 from policies.tiers import Tier
 
@@ -80,7 +87,8 @@ def test_a_full_batch_makes_a_new_request_wait_for_slots():
     p = predict(full, priority=0, num_prompt_tokens=10)
     free = predict(pool("fast", decoding(0, 3, remaining=40)), priority=0, num_prompt_tokens=10)
     # All four started together: the first slot frees when they all finish.
-    assert p.ttft_s - free.ttft_s == pytest.approx(40 * COST.step_s(4, 4), rel=1e-6)
+    in_progress = step_in_progress_s(full) - step_in_progress_s(pool("fast", decoding(0, 3)))
+    assert p.ttft_s - free.ttft_s == pytest.approx(40 * COST.step_s(4, 4) + in_progress)
 
 
 def test_queued_sequences_take_the_slots_that_free_first():
@@ -89,7 +97,8 @@ def test_queued_sequences_take_the_slots_that_free_first():
     p = predict(pool("fast", running + queued), priority=0, num_prompt_tokens=10)
     # The queued one takes the slot freed after 10 tokens; this request the next, after 20.
     prefill_s = COST.step_s(4, 3 + 20)  # both prompts computed beside 3 decodes
-    assert p.ttft_s == pytest.approx(20 * p.tpot_s + prefill_s, rel=1e-6)
+    in_progress = 0.5 * COST.step_s(4, 4 + 10)  # four decoding, one prompt pending
+    assert p.ttft_s == pytest.approx(in_progress + 20 * p.tpot_s + prefill_s, rel=1e-6)
 
 
 def test_a_target_keeps_less_urgent_work_out_of_the_time_per_token():
@@ -106,11 +115,13 @@ def test_a_target_keeps_less_urgent_decodes_out_of_the_first_tokens_step():
     bulk = replace(pool("bulk", decoding(2, 60), max_num_seqs=64), max_num_batched_tokens=1024)
     untargeted = predict(bulk, priority=0, num_prompt_tokens=128)
     targeted = predict(bulk, priority=0, num_prompt_tokens=128, tpot_target_s=0.025)
-    assert untargeted.ttft_s == pytest.approx(COST.step_s(61, 60 + 128))
-    assert targeted.ttft_s == pytest.approx(COST.step_s(1, 128))  # the batch is held back
+    in_progress = 0.5 * COST.step_s(60, 60)  # the batch's decode step: waited out either way
+    assert untargeted.ttft_s == pytest.approx(in_progress + COST.step_s(61, 60 + 128))
+    assert targeted.ttft_s == pytest.approx(in_progress + COST.step_s(1, 128))  # held back
     # Past its first chunk a prompt is running, and the batch's decodes ride along again.
     long = predict(bulk, priority=0, num_prompt_tokens=1500, tpot_target_s=0.025)
-    assert long.ttft_s == pytest.approx(COST.step_s(1, 1024) + COST.step_s(61, 60 + 476))
+    then = COST.step_s(1, 1024) + COST.step_s(61, 60 + 476)
+    assert long.ttft_s == pytest.approx(in_progress + then)
 
 
 def test_replicas_share_the_load():
@@ -205,7 +216,8 @@ def test_under_overload_interactive_overflows_to_the_pool_busy_with_batch_work()
     pools = overload_snapshot()
     decision = place(INTERACTIVE, RequestShape(128, 64), pools)
     assert (decision.pool, decision.reason) == ("bulk", "overflow")
-    assert decision.prediction.ttft_s == pytest.approx(OFFLINE_COST.step_s(1, 128))
+    in_progress = step_in_progress_s(pools["bulk"])  # its 40-sequence decode step
+    assert decision.prediction.ttft_s == pytest.approx(in_progress + OFFLINE_COST.step_s(1, 128))
     assert decision.prediction.tpot_s < predict(pools["fast"], 0, 128, 0.025).tpot_s
     assert place(BATCH, RequestShape(128, 64), pools).pool == "bulk"  # room left: still admitted
 
@@ -277,3 +289,15 @@ def test_a_pool_without_replicas_takes_nothing_and_a_tier_with_none_left_is_unav
     batch = place(BATCH, RequestShape(50, 64), pools)
     assert (batch.pool, batch.reason) == (None, "unavailable")
     assert batch.retry_after_s is not None and batch.retry_after_s >= 1
+
+
+def test_a_request_waits_out_the_step_in_progress_on_a_busy_pool():
+    """A request joins at a step boundary: on a pool computing a full prefill budget it
+    first waits half such a step, on average; an idle pool makes it wait for nothing."""
+    prefilling = [InFlightSequence(2, 2000, 64, prefilled=False)]
+    bulk = replace(pool("bulk", prefilling), max_num_batched_tokens=1024)
+    assert step_in_progress_s(pool("bulk")) == 0.0
+    assert step_in_progress_s(bulk) == pytest.approx(0.5 * COST.step_s(1, 1024))
+    urgent = predict(bulk, priority=0, num_prompt_tokens=100)  # nothing ahead of it but the step
+    prefill_s = COST.step_s(2, 1 + 100)  # its prompt, the other's next token riding along
+    assert urgent.ttft_s == pytest.approx(step_in_progress_s(bulk) + prefill_s)
