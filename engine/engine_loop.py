@@ -104,11 +104,10 @@ class EngineLoop:
     def _handle(self, message: InboxMessage) -> Delivery:
         """Apply one inbox message; what it ends (a refused request, an aborted stream)."""
         if isinstance(message, AddRequest):
-            try:
-                self.engine.add_request(
-                    message.request_id, message.prompt, message.params,
-                    message.urgency.priority, message.urgency.tpot_target_s,
-                )  # fmt: skip
+            try:  # the front checked it against the engine's limits before sending
+                self.engine.enqueue(
+                    message.request_id, message.prompt, message.params, message.urgency
+                )
             except ValueError as exc:
                 return [(message.request_id, exc)]
             return []

@@ -22,7 +22,7 @@ Delivery = list[tuple[str, RequestOutput | BaseException]]
 
 @dataclass(frozen=True)
 class AddRequest:
-    """Queue a request (front → loop)."""
+    """Queue a request the front has checked against the engine's limits (front → loop)."""
 
     request_id: str
     prompt: list[int]

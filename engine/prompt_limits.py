@@ -2,7 +2,9 @@
 
 A frozen value, not a method of the engine, so a front whose engine steps in
 another process refuses a bad request at once, in the caller, with the same
-error the engine itself would raise.
+error the engine itself would raise. Each request is checked once, at the
+engine's API it came in by: `AsyncLLMEngine.generate` (its loop then queues it
+with `LLMEngine.enqueue`, unchecked) or `LLMEngine.add_request`.
 """
 
 from __future__ import annotations

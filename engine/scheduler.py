@@ -154,7 +154,7 @@ class Scheduler:
             kept[request] = []
             self.finish(request, "error")
         for request, token_ids in result.sampled_token_ids.items():
-            kept[request], reason = self._append(request, token_ids)
+            kept[request], reason = _append(request, token_ids)
             self._roll_back_lookahead(request)
             if reason is not None:
                 self.finish(request, reason)
@@ -172,25 +172,6 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-
-    def _append(self, request: Request, token_ids: list[int]) -> tuple[list[int], str | None]:
-        """Append sampled tokens up to the first that ends the request; (kept, reason)."""
-        for i, token_id in enumerate(token_ids):
-            request.append_output_token(token_id)
-            reason = self._stop_reason(request, token_id)
-            if reason is not None:
-                return token_ids[: i + 1], reason
-        return list(token_ids), None
-
-    def _stop_reason(self, request: Request, token_id: int) -> str | None:
-        params = request.params
-        if token_id in params.stop_token_ids:
-            return "stop"
-        if token_id in request.eos_token_ids and not params.ignore_eos:
-            return "stop"
-        if request.num_output_tokens >= params.max_tokens:
-            return "length"
-        return None
 
     def _roll_back_lookahead(self, request: Request) -> None:
         """Only tokens before the newest one have valid K/V: drop rejected drafts' slots."""
@@ -308,6 +289,28 @@ class _StepTargets:
     def waits_ahead_of(self, request: Request) -> bool:
         """A more urgent request with a target is waiting: it takes this step's room."""
         return self.waiting_priority is not None and self.waiting_priority < request.priority
+
+
+def _append(request: Request, token_ids: list[int]) -> tuple[list[int], str | None]:
+    """Append sampled tokens up to the first that ends the request; (kept, reason)."""
+    for i, token_id in enumerate(token_ids):
+        request.append_output_token(token_id)
+        reason = _stop_reason(request, token_id)
+        if reason is not None:
+            return token_ids[: i + 1], reason
+    return list(token_ids), None
+
+
+def _stop_reason(request: Request, token_id: int) -> str | None:
+    """`stop` for a stop or (not ignored) EOS token, `length` at max_tokens, else None."""
+    params = request.params
+    if token_id in params.stop_token_ids:
+        return "stop"
+    if token_id in request.eos_token_ids and not params.ignore_eos:
+        return "stop"
+    if request.num_output_tokens >= params.max_tokens:
+        return "length"
+    return None
 
 
 def _step_order(request: Request) -> tuple[bool, bool, tuple[int, int]]:

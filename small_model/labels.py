@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from engine.engine import LLMEngine
 from engine.model.chat import chat_prompt_ids
+from engine.offline import run_all
 from engine.sampling_params import SamplingParams
 from policies.difficulty import prompt_features
 from small_model.answer_check import answer_matches
@@ -104,7 +105,7 @@ def greedy_answers(
         (prompt, SamplingParams(max_tokens=limit, temperature=0.0))
         for prompt, limit in zip(prompts, max_tokens, strict=True)
     ]
-    return [[t for d in deltas for t in d.new_token_ids] for deltas in engine.run_all(requests)]
+    return [[t for d in deltas for t in d.new_token_ids] for deltas in run_all(engine, requests)]
 
 
 def mean_logprobs(
@@ -114,7 +115,7 @@ def mean_logprobs(
     (-inf for an empty answer): scored as an echoed prompt, one step of prefill."""
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     pairs = list(zip(prompts, answers, strict=True))
-    outputs = engine.run_all([(prompt + answer, params) for prompt, answer in pairs])
+    outputs = run_all(engine, [(prompt + answer, params) for prompt, answer in pairs])
     means = []
     for (prompt, answer), deltas in zip(pairs, outputs, strict=True):
         scored = next(d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None)

@@ -32,6 +32,7 @@ from bench.report import emit
 from engine.config import KV_CACHE_DTYPES, EngineConfig, auto_dtype_name
 from engine.engine import LLMEngine
 from engine.model.batch_invariance import request_reproducible_blas
+from engine.offline import run_all
 from engine.quant.awq import DEFAULT_CALIBRATION_PATH
 from engine.sampling_params import SamplingParams
 
@@ -96,7 +97,7 @@ def decode_tok_s(engine: LLMEngine, settings: Settings) -> float:
     """Output tokens per second of the sequences decoding together at full context."""
     prompts = long_prompts(engine.model.args.vocab_size, settings)
     prefill = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    engine.run_all([(prompt, prefill) for prompt in prompts])
+    run_all(engine, [(prompt, prefill) for prompt in prompts])
     params = SamplingParams(max_tokens=settings.num_decode_tokens, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"long-{i}", prompt, params)
@@ -117,7 +118,7 @@ def continuation_scores(engine: LLMEngine, rows: list[dict]) -> list[list[tuple[
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
     requests = [(row["prompt_ids"] + row["reference_ids"], params) for row in rows]
     scores = []
-    for row, deltas in zip(rows, engine.run_all(requests), strict=True):
+    for row, deltas in zip(rows, run_all(engine, requests), strict=True):
         prompt_logprobs = next(d.prompt_logprobs for d in deltas if d.prompt_logprobs)
         continuation = prompt_logprobs[len(row["prompt_ids"]) :]
         scores.append([(s.logprob, s.top[0][0]) for s in continuation if s is not None])

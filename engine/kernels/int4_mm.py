@@ -155,19 +155,21 @@ def _int4_mm_kernel(
         kk = k0 + ks
         x = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=rows[:, None] < M, other=0.0)
         x = x.to(tl.float32)  # [BLOCK_M, BLOCK_K]
-        b = tl.load(q_ptr + tile * K * 32 + kk[:, None] * 32 + j[None, :]).to(
-            tl.int32
-        )  # [BLOCK_K, 32]
-        sz = sz_ptr + (k0 // GROUP_SIZE) * N * 2
-        s_lo = tl.load(sz + cols_lo * 2).to(tl.float32)
-        z_lo = tl.load(sz + cols_lo * 2 + 1).to(tl.float32)
-        s_hi = tl.load(sz + cols_hi * 2).to(tl.float32)
-        z_hi = tl.load(sz + cols_hi * 2 + 1).to(tl.float32)
-        w_lo = ((b & 0xF).to(tl.float32) - 8.0) * s_lo[None, :] + z_lo[None, :]
-        w_hi = ((b >> 4).to(tl.float32) - 8.0) * s_hi[None, :] + z_hi[None, :]
-        acc_lo += tl.dot(x, w_lo)
-        acc_hi += tl.dot(x, w_hi)
+        b = tl.load(q_ptr + tile * K * 32 + kk[:, None] * 32 + j[None, :])
+        b = b.to(tl.int32)  # [BLOCK_K, 32], two codes a byte
+        sz = sz_ptr + (k0 // GROUP_SIZE) * N * 2  # this K step's group: (scale, zero) pairs
+        acc_lo += tl.dot(x, _dequantize(b & 0xF, sz, cols_lo))
+        acc_hi += tl.dot(x, _dequantize(b >> 4, sz, cols_hi))
     out_rows = out_ptr + rows[:, None] * N
     mask = rows[:, None] < M
     tl.store(out_rows + cols_lo[None, :], acc_lo.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(out_rows + cols_hi[None, :], acc_hi.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequantize(codes, sz, cols):
+    """fp32 weights [BLOCK_K, 32] of INT4 `codes` in columns `cols`: (code - 8) * scale +
+    zero, with each column's (scale, zero) pair read from its group's row `sz`."""
+    scale = tl.load(sz + cols * 2).to(tl.float32)
+    zero = tl.load(sz + cols * 2 + 1).to(tl.float32)
+    return (codes.to(tl.float32) - 8.0) * scale[None, :] + zero[None, :]

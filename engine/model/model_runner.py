@@ -109,16 +109,6 @@ class ModelRunner:
 
         return [(layer_cache(), layer_cache()) for _ in range(args.num_layers)]
 
-    @staticmethod
-    def blocks_for_memory(model: LlamaForCausalLM, config: EngineConfig) -> int:
-        """KV blocks that `config.kv_cache_memory_gb` holds, in its kv_cache_dtype with the
-        scales counted, so a quantized cache gets the blocks it saves."""
-        args = model.args
-        storage = kv_quant.storage_dtype(config.kv_cache_dtype, config.torch_dtype)
-        row = kv_quant.row_bytes(args.head_dim, storage)
-        per_block = 2 * args.num_layers * config.block_size * args.num_kv_heads * row
-        return max(2, int(config.kv_cache_memory_gb * 2**30) // per_block)
-
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
         """One forward pass over the scheduled tokens, then sampling, draft verification and
@@ -220,25 +210,13 @@ class ModelRunner:
         if not requests:
             return
         try:
-            self._record(requests, *sample(logits, [self._sample_row(r) for r in requests]), out)
+            _record(requests, *sample(logits, [self._sample_row(r) for r in requests]), out)
         except Exception:  # noqa: BLE001 - isolated below, row by row
             for i, request in enumerate(requests):
                 _guarded(request, out, self._sample_one, request, logits[i : i + 1], out)
 
     def _sample_one(self, request: Request, logits: torch.Tensor, out: RunnerOutput) -> None:
-        self._record([request], *sample(logits, [self._sample_row(request)]), out)
-
-    @staticmethod
-    def _record(
-        requests: list[Request],
-        token_ids: list[int],
-        logprobs: list[TokenLogprob | None],
-        out: RunnerOutput,
-    ) -> None:
-        for request, token_id, logprob in zip(requests, token_ids, logprobs, strict=True):
-            out.sampled_token_ids[request] = [token_id]
-            if logprob is not None:
-                out.logprobs[request] = [logprob]
+        _record([request], *sample(logits, [self._sample_row(request)]), out)
 
     def _verify(
         self, request: Request, logits: torch.Tensor, draft: Proposal, out: RunnerOutput
@@ -262,6 +240,29 @@ class ModelRunner:
             ),
             grammar=self.grammars.get(request),
         )
+
+
+def kv_blocks_for_memory(model: LlamaForCausalLM, config: EngineConfig) -> int:
+    """KV blocks that `config.kv_cache_memory_gb` holds, in its kv_cache_dtype with the
+    scales counted, so a quantized cache gets the blocks it saves."""
+    args = model.args
+    storage = kv_quant.storage_dtype(config.kv_cache_dtype, config.torch_dtype)
+    row = kv_quant.row_bytes(args.head_dim, storage)
+    per_block = 2 * args.num_layers * config.block_size * args.num_kv_heads * row
+    return max(2, int(config.kv_cache_memory_gb * 2**30) // per_block)
+
+
+def _record(
+    requests: list[Request],
+    token_ids: list[int],
+    logprobs: list[TokenLogprob | None],
+    out: RunnerOutput,
+) -> None:
+    """One draw's tokens (and logprobs, when asked) into the step's output."""
+    for request, token_id, logprob in zip(requests, token_ids, logprobs, strict=True):
+        out.sampled_token_ids[request] = [token_id]
+        if logprob is not None:
+            out.logprobs[request] = [logprob]
 
 
 def _guarded(request: Request, out: RunnerOutput, work: Callable[..., None], *args: object) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.engine import LLMEngine
+from engine.offline import run_all
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -40,7 +41,7 @@ def teacher_examples(
     batch full. `on_finish` is called once per finished answer (a progress bar).
     """
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=top_k)
-    answers = engine.run_all([(list(prompt), params) for prompt in prompts], on_finish)
+    answers = run_all(engine, [(list(prompt), params) for prompt in prompts], on_finish)
     return [_example(prompt, deltas) for prompt, deltas in zip(prompts, answers, strict=True)]
 
 

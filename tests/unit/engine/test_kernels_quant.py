@@ -13,8 +13,10 @@ torch.set_num_threads(1)
 
 @pytest.fixture
 def interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run the Triton kernels on CPU tensors, whatever TRITON_INTERPRET was at import time."""
-    for module, name in ((int8_mm, "_int8_mm_kernel"), (int4_mm, "_int4_mm_kernel")):
+    """Run the Triton kernels (and the device functions they call) on CPU tensors, whatever
+    TRITON_INTERPRET was at import time."""
+    jitted = ((int8_mm, "_int8_mm_kernel"), (int4_mm, "_int4_mm_kernel"), (int4_mm, "_dequantize"))
+    for module, name in jitted:
         kernel = getattr(module, name)
         if not isinstance(kernel, InterpretedFunction):
             monkeypatch.setattr(module, name, InterpretedFunction(kernel.fn))

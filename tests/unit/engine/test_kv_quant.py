@@ -14,7 +14,7 @@ from engine.config import EngineConfig, SpecDecodeConfig
 from engine.kernels import paged_attention as kernels
 from engine.model import attention
 from engine.model.attention import AttentionMetadata, KernelGroup
-from engine.model.model_runner import ModelRunner
+from engine.model.model_runner import kv_blocks_for_memory
 from engine.quant import kv
 from engine.quant.awq import DEFAULT_CALIBRATION_PATH
 from engine.sampling_params import SamplingParams
@@ -144,11 +144,9 @@ def test_the_kernel_decodes_every_code_as_torch_does(kv_dtype):
 
 def test_a_quantized_pool_holds_3_9x_the_blocks_of_an_fp32_one(engine):
     budget = dict(dtype="float32", kv_cache_memory_gb=0.25)
-    auto = ModelRunner.blocks_for_memory(engine.model, EngineConfig(**budget))
+    auto = kv_blocks_for_memory(engine.model, EngineConfig(**budget))
     for kv_dtype in KV_DTYPES:
-        blocks = ModelRunner.blocks_for_memory(
-            engine.model, EngineConfig(kv_cache_dtype=kv_dtype, **budget)
-        )
+        blocks = kv_blocks_for_memory(engine.model, EngineConfig(kv_cache_dtype=kv_dtype, **budget))
         assert blocks / auto == pytest.approx(256 / 66, rel=0.01)  # 64 fp32 vs 64 + 2 bytes
 
 
