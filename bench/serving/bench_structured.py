@@ -45,7 +45,8 @@ from engine.model.batch_invariance import request_reproducible_blas
 from engine.model.chat import chat_prompt_ids
 from engine.model.loader import resolve_model_dir
 from engine.sampling_params import GrammarSpec, SamplingParams
-from serving.http.openai_api import ChatEndpoint, parse_body, sampling_params
+from serving.http.engine_inputs import sampling_params
+from serving.http.openai_api import ChatEndpoint, parse_body
 from serving.http.tool_calls import parse_tool_calls
 
 BENCH = "structured"

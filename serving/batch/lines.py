@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from serving.batch.schemas import BatchError, BatchErrors
+from serving.http.engine_inputs import output_grammar
 from serving.http.errors import ApiError
-from serving.http.openai_api import ENDPOINTS, output_grammar, parse_body
+from serving.http.openai_api import ENDPOINTS, parse_body
 from serving.http.request_body import decode_json_object
 
 MAX_REPORTED_ERRORS = 100

@@ -1,22 +1,25 @@
 """An accepted request: what the ingress decided for one HTTP call it will serve.
 
 Made by the planner (serving/http/planner.py), read by the ingress as it streams
-the pool's tokens back and writes the request's log line.
+the pool's tokens back; what its response headers and its log line say of it is here.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 from engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from policies.model_routing import ModelChoice
 from policies.placement import Placement
 from policies.tiers import Tier
 from serving.config import CallerPolicy
-from serving.http import schemas
 from serving.http.openai_api import Endpoint
+from serving.http.schemas.sampling import SamplingFields
 from serving.http.streaming import SequenceProgress
 from serving.pools.pool import NewSequence
+from serving.telemetry import RequestRecord
 
 
 @dataclass
@@ -28,7 +31,7 @@ class AcceptedRequest:
     tier: Tier
     pool: str
     endpoint: Endpoint
-    body: schemas.SamplingFields
+    body: SamplingFields
     prompts: list[list[int]]
     params: SamplingParams
     choices: list[SequenceProgress]
@@ -71,6 +74,42 @@ class AcceptedRequest:
                 )
             )
         return requests
+
+    def response_headers(self, model_name: str) -> dict[str, str]:
+        """Every response names where it went (`model_name`: the pool's model) and, when
+        placement predicted it, the latency it was placed for."""
+        headers = {
+            "x-tierserve-tier": self.tier.name,
+            "x-tierserve-pool": self.pool,
+            "x-tierserve-model": model_name,
+        }
+        prediction = self.placement.prediction
+        if prediction is not None:
+            headers["x-tierserve-predicted-ttft-ms"] = f"{prediction.ttft_s * 1000:.0f}"
+            headers["x-tierserve-predicted-tpot-ms"] = f"{prediction.tpot_s * 1000:.1f}"
+        if self.placement.downgraded:
+            headers["x-tierserve-downgraded"] = "true"
+        if self.model_choice.difficulty is not None:
+            headers["x-tierserve-difficulty"] = f"{self.model_choice.difficulty:.3f}"
+        return headers
+
+    def log_record(self, status: str, tokenizer: Any, log_prompts: bool) -> RequestRecord:
+        """The request's log line and metrics, as it ends with `status`; its words only
+        with `log_prompts` (the first prompt decoded by `tokenizer`)."""
+        return RequestRecord(
+            request_id=self.request_id,
+            key_name=self.key.name,
+            tier=self.tier,
+            pool=self.pool,
+            status=status,
+            choices=self.choices,
+            end_s=time.monotonic(),
+            prompt_text=tokenizer.decode(self.prompts[0]) if log_prompts else None,
+            request_text=self.body.routing_text if log_prompts else None,
+            max_tokens=self.body.requested_max_tokens,
+            user=self.user,
+            placement=self.placement,
+        )
 
 
 def _nth_seed(seed: int, index: int) -> int:

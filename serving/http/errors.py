@@ -6,7 +6,7 @@ import math
 
 from starlette.responses import JSONResponse
 
-from serving.http.schemas import ErrorDetail, ErrorResponse
+from serving.http.schemas.responses import ErrorDetail, ErrorResponse
 
 
 class ApiError(Exception):

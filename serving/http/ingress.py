@@ -1,7 +1,8 @@
 """The ingress deployment: OpenAI HTTP API in, a pool chosen per request, tokens out as SSE.
 
-Thin glue: who may call is the gateway's, which pool is policies/', the
-OpenAI shapes are openai_api's, metrics are telemetry's. Every answer is
+Thin glue: who may call is the gateway's, which pool is the planner's (over
+policies/), the OpenAI shapes are openai_api's, the SSE framing sse's, models,
+health and metrics service_routes' and telemetry's. Every answer is
 OpenAI-format JSON (or, once a stream has begun, an SSE error event then
 `[DONE]`): refusals carry their status, and anything unexpected is a 500 with
 the request id while the traceback goes to the replica log.
@@ -17,8 +18,6 @@ from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any, cast
 
-from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
@@ -27,10 +26,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.outputs import RequestOutput
 from policies.difficulty import DifficultyModel
-from policies.model_routing import AUTO_MODEL
 from serving.batch.api import BatchApi
 from serving.config import CallerPolicy, IngressConfig
-from serving.http import schemas
 from serving.http.accepted import AcceptedRequest
 from serving.http.errors import (
     ApiError,
@@ -47,13 +44,15 @@ from serving.http.openai_api import (
     parse_body,
 )
 from serving.http.planner import Planner
-from serving.http.request_body import decode_json_object, read_body
+from serving.http.request_body import read_json_object
 from serving.http.routes import Call, Route, RouteTable
-from serving.http.streaming import merge_streams, usage
+from serving.http.service_routes import ServiceRoutes
+from serving.http.sse import prepend, sse_stream
+from serving.http.streaming import merge_streams
 from serving.pools.calls import first_answer
 from serving.pools.pool_monitor import PoolMonitor, SentSequence
 from serving.pools.slo_watch import SloWatch
-from serving.telemetry import Admission, RequestRecord, Telemetry
+from serving.telemetry import Admission, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +110,13 @@ class Ingress:
                 ("POST", path): Route(partial(self._complete, endpoint=endpoint))
                 for path, endpoint in ENDPOINTS.items()
             },
-            ("GET", "/v1/models"): Route(self._list_models),
-            ("GET", "/health"): Route(self._health, public=True),
-            ("GET", "/metrics"): Route(self._metrics),
+            **ServiceRoutes(
+                self._planner.model_names,
+                list(self._pools),
+                self._monitor,
+                self._slo_watch,
+                self._telemetry,
+            ).routes(),
         }
         if batch_runner is not None:
             batches = BatchApi(
@@ -146,56 +149,21 @@ class Ingress:
         )
         return await route.handler(request, Call(request_id, start_s, caller))
 
-    async def _list_models(self, request: Request, call: Call) -> Response:
-        """The models requests may name (`auto`, which lets the router choose, is not one)."""
-        names = [n for n in self._planner.model_names if n != AUTO_MODEL]
-        cards = [schemas.ModelCard(id=name, created=0) for name in names]
-        return JSONResponse(schemas.ModelList(data=cards).model_dump(mode="json"))
-
-    async def _health(self, request: Request, call: Call) -> Response:
-        """503 while some pool has no live replica, so a load balancer routes elsewhere; a
-        pool still waiting for its model (the small model before it is distilled) is named
-        in `unavailable` but does not fail the check: everything else serves. Tiers whose
-        SLO their pools miss even idle are named in `slo_infeasible` (it serves, late)."""
-        waiting = {
-            name: reason
-            for name in self._pools
-            if (reason := self._monitor.unavailable_reason(name)) is not None
-        }
-        down = [n for n in self._pools if not self._monitor.replica_stats(n) and n not in waiting]
-        details: dict[str, Any] = {"unavailable": waiting} if waiting else {}
-        if infeasible := self._slo_watch.infeasible():
-            details["slo_infeasible"] = infeasible
-        if down:
-            body = {"status": "degraded", "pools_down": down, **details}
-            return JSONResponse(body, status_code=503)
-        return JSONResponse({"status": "ok", **details})
-
-    async def _metrics(self, request: Request, call: Call) -> Response:
-        return Response(self._telemetry.render(), media_type=CONTENT_TYPE_LATEST)
-
     async def _complete(self, request: Request, call: Call, endpoint: type[Endpoint]) -> Response:
         admission = Admission(call)
         with self._telemetry.refusals(admission):
-            document = await self._read_document(request)
+            limits = self._config.limits
+            document = await read_json_object(request, limits.max_body_bytes, limits.max_json_depth)
             tier = request.headers.get("x-sla-tier")
             accepted = await self._accept(admission, document, endpoint, tier)
         events = self._run(accepted)
-        headers = self._headers(accepted)
+        headers = accepted.response_headers(self._config.pool(accepted.pool).model_name)
         if not accepted.body.stream:
             return JSONResponse(await self._collect(accepted, events), headers=headers)
         # Wait for the first delta so an engine-side rejection is still a 400, not a broken stream.
         first = await anext(events)
-        stream = self._sse(accepted, _prepend(first, events))
+        stream = sse_stream(accepted, prepend(first, events))
         return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-
-    async def _read_document(self, request: Request) -> dict[str, Any]:
-        """The body as a JSON object, within the configured size (413) and depth (400)."""
-        limits = self._config.limits
-        raw = await read_body(request, limits.max_body_bytes)
-        # Parsing, templating and tokenizing a large body take CPU time: off the event
-        # loop, so one big prompt does not stall every other stream.
-        return await asyncio.to_thread(decode_json_object, raw, limits.max_json_depth)
 
     async def run_batch_line(
         self, url: str, document: dict[str, Any]
@@ -287,79 +255,14 @@ class Ingress:
             finally:
                 for stream in streams:
                     stream.cancel()
-                self._telemetry.observe(self._record(accepted, status))
-
-    async def _sse(
-        self, accepted: AcceptedRequest, events: AsyncIterator[tuple[int, RequestOutput]]
-    ) -> AsyncIterator[str]:
-        """OpenAI's chunk stream; an error mid-stream (deadline, dead replica, a fault of
-        ours) is sent as an error event then `[DONE]`, never a hang or a cut stream."""
-        endpoint = accepted.endpoint
-        try:
-            for chunk in endpoint.opening(len(accepted.choices)):
-                yield _event(chunk)
-            async for index, output in events:
-                if output.new_text or output.finished or output.new_logprobs:
-                    yield _event(endpoint.delta(index, output, accepted.choices[index]))
-            if accepted.body.include_usage_chunk:
-                yield _event(endpoint.usage_chunk(usage(accepted.choices)))
-        except ApiError as error:
-            yield _event(schemas.ErrorResponse(error=error.detail))
-        except Exception:
-            log.exception("stream %s failed", accepted.request_id)
-            yield _event(schemas.ErrorResponse(error=internal_error(accepted.request_id).detail))
-        yield "data: [DONE]\n\n"
-
-    def _headers(self, accepted: AcceptedRequest) -> dict[str, str]:
-        """Every response names where it went."""
-        headers = {
-            "x-tierserve-tier": accepted.tier.name,
-            "x-tierserve-pool": accepted.pool,
-            "x-tierserve-model": self._config.pool(accepted.pool).model_name,
-        }
-        prediction = accepted.placement.prediction
-        if prediction is not None:
-            headers["x-tierserve-predicted-ttft-ms"] = f"{prediction.ttft_s * 1000:.0f}"
-            headers["x-tierserve-predicted-tpot-ms"] = f"{prediction.tpot_s * 1000:.1f}"
-        if accepted.placement.downgraded:
-            headers["x-tierserve-downgraded"] = "true"
-        if accepted.model_choice.difficulty is not None:
-            headers["x-tierserve-difficulty"] = f"{accepted.model_choice.difficulty:.3f}"
-        return headers
-
-    def _record(self, accepted: AcceptedRequest, status: str) -> RequestRecord:
-        log_prompts = self._config.log_prompts
-        prompt_text = self._tokenizer.decode(accepted.prompts[0]) if log_prompts else None
-        return RequestRecord(
-            request_id=accepted.request_id,
-            key_name=accepted.key.name,
-            tier=accepted.tier,
-            pool=accepted.pool,
-            status=status,
-            choices=accepted.choices,
-            end_s=time.monotonic(),
-            prompt_text=prompt_text,
-            request_text=accepted.body.routing_text if log_prompts else None,
-            max_tokens=accepted.body.requested_max_tokens,
-            user=accepted.user,
-            placement=accepted.placement,
-        )
+                record = accepted.log_record(status, self._tokenizer, self._config.log_prompts)
+                self._telemetry.observe(record)
 
 
 def _end_user(document: dict[str, Any]) -> str | None:
     """The body's `user` (OpenAI's id of the caller's end user) when it is a string."""
     user = document.get("user")
     return user[:MAX_USER_CHARS] if isinstance(user, str) else None
-
-
-def _event(chunk: BaseModel) -> str:
-    return f"data: {chunk.model_dump_json()}\n\n"
-
-
-async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    yield first
-    async for item in rest:
-        yield item
 
 
 def _cause(error: BaseException) -> BaseException:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from serving.config import RequestLimits
 from serving.http.errors import bad_request
-from serving.http.schemas import CompletionRequest, SamplingFields
+from serving.http.schemas.completion import CompletionRequest
+from serving.http.schemas.sampling import SamplingFields
 
 
 def num_prompts(body: SamplingFields) -> int:

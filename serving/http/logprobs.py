@@ -11,18 +11,23 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.outputs import TokenLogprob
-from serving.http import schemas as s
+from serving.http.schemas.responses import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    TopLogprob,
+)
 
 
 def chat_logprobs(
     tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]
-) -> s.ChatLogprobs:
+) -> ChatLogprobs:
     """Chat's `logprobs`: each token's text, log-probability, bytes and alternatives."""
-    return s.ChatLogprobs(
+    return ChatLogprobs(
         content=[
-            s.ChatTokenLogprob(
+            ChatTokenLogprob(
                 **_entry(tokenizer, token_id, lp.logprob),
-                top_logprobs=[s.TopLogprob(**_entry(tokenizer, t, v)) for t, v in lp.top],
+                top_logprobs=[TopLogprob(**_entry(tokenizer, t, v)) for t, v in lp.top],
             )
             for token_id, lp in zip(token_ids, logprobs, strict=True)
         ]
@@ -34,17 +39,16 @@ def completion_logprobs(
     token_ids: Sequence[int],
     logprobs: Sequence[TokenLogprob | None],
     text_offset: int,
-) -> s.CompletionLogprobs:
+) -> CompletionLogprobs:
     """Completions' `logprobs`: parallel lists; a token with no log-probability (an echoed
     prompt's first) has None. Offsets count from `text_offset`."""
     tokens = [tokenizer.decode([token_id]) for token_id in token_ids]
     offsets = [text_offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-    return s.CompletionLogprobs(
+    return CompletionLogprobs(
         tokens=tokens,
         token_logprobs=[None if lp is None else lp.logprob for lp in logprobs],
         top_logprobs=[
-            None if lp is None else {tokenizer.decode([t]): v for t, v in lp.top}
-            for lp in logprobs
+            None if lp is None else {tokenizer.decode([t]): v for t, v in lp.top} for lp in logprobs
         ],
         text_offset=offsets,
     )

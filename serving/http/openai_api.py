@@ -1,5 +1,6 @@
-"""The OpenAI side of the ingress: request bodies to token ids and sampling params,
-engine progress to response bodies and stream chunks.
+"""The OpenAI side of the ingress: request bodies parsed and their prompts tokenized,
+engine progress to response bodies and stream chunks (the sampling fields become the
+engine's in serving/http/engine_inputs.py).
 
 Chat and text completions differ only here; the ingress treats both alike.
 """
@@ -14,19 +15,35 @@ from typing import Any, ClassVar, NamedTuple
 from jinja2 import TemplateError
 from pydantic import BaseModel, ValidationError
 
-from engine.grammar import parse
 from engine.model.chat import chat_prompt_ids
 from engine.outputs import RequestOutput, TokenLogprob
-from engine.sampling_params import GrammarSpec, SamplingParams
-from serving.http import schemas as s
+from serving.http.engine_inputs import check_sampling_token_ids
 from serving.http.errors import bad_request
 from serving.http.logprobs import chat_logprobs, completion_logprobs
 from serving.http.request_fields import FieldRefused, served_fields
+from serving.http.schemas.chat import ChatCompletionRequest
+from serving.http.schemas.completion import CompletionRequest
+from serving.http.schemas.responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionResponse,
+    FunctionCall,
+    FunctionCallDelta,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
+from serving.http.schemas.sampling import SamplingFields
 from serving.http.streaming import SequenceProgress, usage
 from serving.http.tool_calls import CallDelta, ToolCallStream, call_id, parse_tool_calls
 
 
-def parse_body(schema: type[s.SamplingFields], body: Any) -> s.SamplingFields:
+def parse_body(schema: type[SamplingFields], body: Any) -> SamplingFields:
     """Validate a JSON body: a field the endpoint does not honour is refused (its table in
     serving/http/request_fields.py says why), then the schema checks the rest; either way
     the refusal is one OpenAI-style 400 naming the field."""
@@ -38,61 +55,6 @@ def parse_body(schema: type[s.SamplingFields], body: Any) -> s.SamplingFields:
         first = error.errors()[0]
         param = ".".join(str(part) for part in first["loc"]) or None
         raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from None
-
-
-def sampling_params(body: s.SamplingFields, max_tokens: int) -> SamplingParams:
-    """Map the request's sampling fields onto the engine's, as a 400 when they are invalid."""
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=max(body.top_k, 0),  # -1 is the other common spelling of "off"
-            min_tokens=body.min_tokens,
-            repetition_penalty=body.repetition_penalty,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            logit_bias=tuple((int(t), bias) for t, bias in (body.logit_bias or {}).items()),
-            min_p=body.min_p,
-            seed=body.seed,
-            stop=tuple(body.stop),
-            stop_token_ids=tuple(body.stop_token_ids or ()),
-            include_stop_str_in_output=body.include_stop_str_in_output,
-            skip_special_tokens=body.skip_special_tokens,
-            ignore_eos=body.ignore_eos,
-            logprobs=body.num_logprobs,
-            prompt_logprobs=body.num_logprobs if body.echoed_prompts else None,
-            grammar=output_grammar(body),
-        )
-    except ValueError as error:
-        raise bad_request(str(error)) from None
-
-
-def output_grammar(body: s.SamplingFields) -> GrammarSpec | None:
-    """The body's output grammar, built and parsed here so that one the library refuses is
-    a 400 naming the field that sent it, before any pool sees it (or any batch line runs)."""
-    asked = body.grammar_params()
-    if not asked:
-        return None
-    param = asked[0]
-    try:
-        spec = body.grammar_of(param)
-        parse(spec)
-    except ValueError as error:
-        raise bad_request(f"{param}: {error}", param) from None
-    return spec
-
-
-def _check_sampling_token_ids(body: s.SamplingFields, vocab_size: int) -> None:
-    """`logit_bias` keys and `stop_token_ids` must name tokens of the vocabulary."""
-    named = {
-        "logit_bias": [int(token_id) for token_id in body.logit_bias or {}],
-        "stop_token_ids": body.stop_token_ids or [],
-    }
-    for param, token_ids in named.items():
-        if any(token_id >= vocab_size for token_id in token_ids):
-            message = f"{param}: token ids must be below the vocabulary size {vocab_size}"
-            raise bad_request(message, param)
 
 
 class Echo(NamedTuple):
@@ -109,7 +71,7 @@ class Endpoint(ABC):
     An instance renders one response: every chunk carries the same id and created time.
     """
 
-    schema: ClassVar[type[s.SamplingFields]]
+    schema: ClassVar[type[SamplingFields]]
     response_id: str
     created: int
     model: str
@@ -149,7 +111,7 @@ class Endpoint(ABC):
         """Token ids of each prompt in the body (before `n` copies are made); first, the
         token ids the body's sampling fields name are checked against the vocabulary, which
         only the tokenizer knows (a 400 naming the field)."""
-        _check_sampling_token_ids(body, len(tokenizer))
+        check_sampling_token_ids(body, len(tokenizer))
         return cls._prompts(body, tokenizer)
 
     @staticmethod
@@ -167,7 +129,7 @@ class Endpoint(ABC):
         end) of one choice; `choice` already holds the output."""
 
     @abstractmethod
-    def usage_chunk(self, usage: s.Usage) -> BaseModel:
+    def usage_chunk(self, usage: Usage) -> BaseModel:
         """The stream's final chunk carrying usage, when the client asked for it."""
 
     @abstractmethod
@@ -184,19 +146,19 @@ class ChatEndpoint(Endpoint):
     plain answer that happens to look like a call (a model quoting the format) is text.
     """
 
-    schema = s.ChatCompletionRequest
+    schema = ChatCompletionRequest
     reads_tool_calls: bool = False
     """Whether outputs become `tool_calls` (tools were offered, not under `none`)."""
     tool_streams: dict[int, ToolCallStream] = field(default_factory=dict, repr=False)
     """Each streamed choice's text turned into content and call deltas, by index."""
 
     @staticmethod
-    def _options(body: s.ChatCompletionRequest) -> dict[str, Any]:
+    def _options(body: ChatCompletionRequest) -> dict[str, Any]:
         """Tool calls are read when the model was shown tools."""
         return {"reads_tool_calls": body.offered_tools is not None}
 
     @staticmethod
-    def _prompts(body: s.ChatCompletionRequest, tokenizer: Any) -> list[list[int]]:
+    def _prompts(body: ChatCompletionRequest, tokenizer: Any) -> list[list[int]]:
         """The conversation, and the tools offered, through the model's chat template; a
         template that refuses the conversation (its `raise_exception`) is the client's 400."""
         messages = [m.template_turn() for m in body.messages]
@@ -208,7 +170,7 @@ class ChatEndpoint(Endpoint):
     def opening(self, num_choices: int) -> list[BaseModel]:
         """OpenAI names the role in each choice's first delta."""
         return [
-            self._chunk(s.ChatChunkChoice(index=i, delta=s.ChatDelta(role="assistant", content="")))
+            self._chunk(ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")))
             for i in range(num_choices)
         ]
 
@@ -225,22 +187,22 @@ class ChatEndpoint(Endpoint):
         finish_reason = _finish_reason(output)
         if finish_reason == "stop" and stream.num_calls:
             finish_reason = "tool_calls"
-        delta = s.ChatDelta(content=content, tool_calls=[_call_delta(c) for c in calls] or None)
+        delta = ChatDelta(content=content, tool_calls=[_call_delta(c) for c in calls] or None)
         return self._chunk(
-            s.ChatChunkChoice(
+            ChatChunkChoice(
                 index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
             )
         )
 
-    def usage_chunk(self, usage: s.Usage) -> BaseModel:
+    def usage_chunk(self, usage: Usage) -> BaseModel:
         """A chunk with no choices and the usage."""
-        return s.ChatCompletionChunk(
+        return ChatCompletionChunk(
             id=self.response_id, created=self.created, model=self.model, choices=[], usage=usage
         )
 
     def response(self, choices: list[SequenceProgress]) -> BaseModel:
         """A `chat.completion` with every choice and the usage."""
-        return s.ChatCompletionResponse(
+        return ChatCompletionResponse(
             id=self.response_id,
             created=self.created,
             model=self.model,
@@ -248,7 +210,7 @@ class ChatEndpoint(Endpoint):
             usage=usage(choices),
         )
 
-    def _choice(self, index: int, choice: SequenceProgress) -> s.ChatChoice:
+    def _choice(self, index: int, choice: SequenceProgress) -> ChatChoice:
         """A finished choice: its text, or the calls it made (finish_reason tool_calls)."""
         text = choice.text
         content, calls = parse_tool_calls(text) if self.reads_tool_calls else (text, [])
@@ -256,21 +218,21 @@ class ChatEndpoint(Endpoint):
         if calls and finish_reason == "stop":
             finish_reason = "tool_calls"
         tool_calls = [
-            s.ToolCall(id=call_id(), function=s.FunctionCall(name=c.name, arguments=c.arguments))
+            ToolCall(id=call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
             for c in calls
         ]
         logprobs = None
         if self.with_logprobs:
             logprobs = chat_logprobs(self.tokenizer, choice.token_ids, choice.logprobs)
-        return s.ChatChoice(
+        return ChatChoice(
             index=index,
-            message=s.ChatResponseMessage(content=content, tool_calls=tool_calls or None),
+            message=ChatResponseMessage(content=content, tool_calls=tool_calls or None),
             logprobs=logprobs,
             finish_reason=finish_reason,
         )
 
-    def _chunk(self, choice: s.ChatChunkChoice) -> s.ChatCompletionChunk:
-        return s.ChatCompletionChunk(
+    def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
             id=self.response_id, created=self.created, model=self.model, choices=[choice]
         )
 
@@ -278,10 +240,10 @@ class ChatEndpoint(Endpoint):
 class CompletionEndpoint(Endpoint):
     """`/v1/completions`: raw prompts, text choices."""
 
-    schema = s.CompletionRequest
+    schema = CompletionRequest
 
     @staticmethod
-    def _prompts(body: s.CompletionRequest, tokenizer: Any) -> list[list[int]]:
+    def _prompts(body: CompletionRequest, tokenizer: Any) -> list[list[int]]:
         """Each text prompt tokenized as is (no template); token-id prompts as sent, if
         every id is in the tokenizer's vocabulary."""
         prompts = []
@@ -304,7 +266,7 @@ class CompletionEndpoint(Endpoint):
         generated = _Scored(output.new_text, output.new_token_ids, output.new_logprobs or [])
         return self._body([self._choice(index, echo, generated, offset, _finish_reason(output))])
 
-    def usage_chunk(self, usage: s.Usage) -> BaseModel:
+    def usage_chunk(self, usage: Usage) -> BaseModel:
         """A chunk with no choices and the usage."""
         return self._body([], usage)
 
@@ -327,7 +289,7 @@ class CompletionEndpoint(Endpoint):
         generated: _Scored,
         text_offset: int,
         finish_reason: str | None,
-    ) -> s.CompletionChoice:
+    ) -> CompletionChoice:
         """A choice of the generated part, after the echoed prompt when there is one."""
         part = generated if echo is None else echo + generated
         rendered = (
@@ -335,7 +297,7 @@ class CompletionEndpoint(Endpoint):
             if self.with_logprobs
             else None
         )
-        return s.CompletionChoice(
+        return CompletionChoice(
             index=index, text=part.text, logprobs=rendered, finish_reason=finish_reason
         )
 
@@ -350,8 +312,8 @@ class CompletionEndpoint(Endpoint):
     def _echo_length(self, choice: SequenceProgress) -> int:
         return len(self.echo[choice.prompt_index].text) if self.echo else 0
 
-    def _body(self, choices: list[s.CompletionChoice], usage: s.Usage | None = None) -> BaseModel:
-        return s.CompletionResponse(
+    def _body(self, choices: list[CompletionChoice], usage: Usage | None = None) -> BaseModel:
+        return CompletionResponse(
             id=self.response_id,
             created=self.created,
             model=self.model,
@@ -377,13 +339,13 @@ class _Scored(NamedTuple):
         )
 
 
-def _call_delta(delta: CallDelta) -> s.ToolCallDelta:
+def _call_delta(delta: CallDelta) -> ToolCallDelta:
     """OpenAI's shape of a call delta: id, type and name in the call's first only."""
-    return s.ToolCallDelta(
+    return ToolCallDelta(
         index=delta.index,
         id=delta.id,
         type="function" if delta.id else None,
-        function=s.FunctionCallDelta(name=delta.name, arguments=delta.arguments),
+        function=FunctionCallDelta(name=delta.name, arguments=delta.arguments),
     )
 
 

@@ -18,8 +18,8 @@ from policies.model_routing import ModelChoice, ModelRoutes, choose_model
 from policies.placement import RequestShape, place
 from policies.tiers import Tier, resolve_tier
 from serving.config import CallerPolicy, IngressConfig
-from serving.http import schemas
 from serving.http.accepted import AcceptedRequest
+from serving.http.engine_inputs import sampling_params
 from serving.http.errors import (
     bad_request,
     context_length_exceeded,
@@ -28,7 +28,8 @@ from serving.http.errors import (
     too_many_requests,
 )
 from serving.http.gateway import Gateway
-from serving.http.openai_api import ChatEndpoint, Endpoint, sampling_params
+from serving.http.openai_api import ChatEndpoint, Endpoint
+from serving.http.schemas.sampling import SamplingFields
 from serving.http.streaming import SequenceProgress
 from serving.pools.pool_monitor import PoolMonitor
 from serving.telemetry import Admission, Telemetry
@@ -62,7 +63,7 @@ class Planner:
     def _place(
         self,
         admission: Admission,
-        body: schemas.SamplingFields,
+        body: SamplingFields,
         tier: Tier,
         prompts: list[list[int]],
     ) -> tuple[ModelChoice, str]:
@@ -96,7 +97,7 @@ class Planner:
     def plan(
         self,
         admission: Admission,
-        body: schemas.SamplingFields,
+        body: SamplingFields,
         tier: Tier,
         prompts: list[list[int]],
         endpoint_cls: type[Endpoint],
@@ -131,9 +132,7 @@ class Planner:
             user=admission.user,
         )
 
-    def _choose_model(
-        self, body: schemas.SamplingFields, tier: Tier, num_tokens: int
-    ) -> ModelChoice:
+    def _choose_model(self, body: SamplingFields, tier: Tier, num_tokens: int) -> ModelChoice:
         """The model for this request (policies/model_routing.py); counted in the metrics."""
         small_pool = self._models.small_pool
         available = small_pool is not None and bool(self._monitor.replica_stats(small_pool))
@@ -148,7 +147,7 @@ class Planner:
         self._telemetry.count_model_decision(tier.name, choice.model, choice.reason)
         return choice
 
-    def tier(self, header: str | None, body: schemas.SamplingFields, caller: CallerPolicy) -> Tier:
+    def tier(self, header: str | None, body: SamplingFields, caller: CallerPolicy) -> Tier:
         """The tier asked for (header, body, key default), if it exists and the key may use it."""
         names = [t.name for t in self._config.tiers]
         try:

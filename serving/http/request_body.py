@@ -9,6 +9,7 @@ the response encoder, so it is refused here, where the client can be told.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -30,6 +31,14 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
             raise payload_too_large(max_bytes)
         parts.append(part)
     return b"".join(parts)
+
+
+async def read_json_object(request: Request, max_bytes: int, max_depth: int) -> dict[str, Any]:
+    """The body as a JSON object, within `max_bytes` (413) and `max_depth` (400). Decoding
+    a large body takes CPU time: it runs off the event loop, so one big prompt does not
+    stall every other stream."""
+    raw = await read_body(request, max_bytes)
+    return await asyncio.to_thread(decode_json_object, raw, max_depth)
 
 
 def decode_json_object(raw: bytes, max_depth: int) -> dict[str, Any]:

@@ -7,7 +7,7 @@ question that was not asked. So each field of OpenAI's chat and text
 completion requests, and each extra that vLLM clients send, is in one of
 these tables:
 
-- `Honoured`: a field of the body schema (serving/http/schemas.py), served.
+- `Honoured`: a field of the body schema (serving/http/schemas/), served.
 - `Refused`: a 400 naming the field, unless its value asks for nothing
   tierserve does not already do (null, an empty list, the default), in which
   case it is dropped.

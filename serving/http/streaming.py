@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from engine.outputs import FirstTokenTimes, RequestOutput, TokenLogprob
-from serving.http.schemas import Usage
+from serving.http.schemas.responses import Usage
 
 T = TypeVar("T")
 

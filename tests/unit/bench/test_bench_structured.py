@@ -14,7 +14,8 @@ from bench.serving import structured_workload as w
 from bench.serving.bench_structured import Stream, stream_tpot_s, tpot_ms, valid_call, valid_json
 from engine.grammar import GrammarCompiler, parse
 from engine.sampling_params import GrammarSpec
-from serving.http.openai_api import ChatEndpoint, parse_body, sampling_params
+from serving.http.engine_inputs import sampling_params
+from serving.http.openai_api import ChatEndpoint, parse_body
 
 
 def test_the_engine_config_is_a_batch_of_sixteen() -> None:

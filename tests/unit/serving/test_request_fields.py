@@ -24,8 +24,9 @@ from openai.types.chat import (
 from openai.types.chat import completion_create_params as chat_params
 
 from engine.sampling_params import GrammarSpec
+from serving.http.engine_inputs import sampling_params
 from serving.http.errors import ApiError
-from serving.http.openai_api import ChatEndpoint, CompletionEndpoint, parse_body, sampling_params
+from serving.http.openai_api import ChatEndpoint, CompletionEndpoint, parse_body
 from serving.http.request_fields import (
     CONTENT_PART_FIELDS,
     MESSAGE_FIELDS,
@@ -34,7 +35,7 @@ from serving.http.request_fields import (
     Honoured,
     Refused,
 )
-from serving.http.schemas import SamplingFields
+from serving.http.schemas.sampling import SamplingFields
 
 CHAT = ChatEndpoint.schema
 COMPLETIONS = CompletionEndpoint.schema

@@ -13,8 +13,9 @@ import pytest
 
 from engine.model.chat import chat_prompt_ids
 from engine.outputs import RequestOutput
+from serving.http.engine_inputs import sampling_params
 from serving.http.errors import ApiError
-from serving.http.openai_api import ChatEndpoint, parse_body, sampling_params
+from serving.http.openai_api import ChatEndpoint, parse_body
 from serving.http.streaming import SequenceProgress
 from serving.http.tool_calls import ParsedCall, ToolCallStream, parse_tool_calls
 

@@ -1,0 +1,73 @@
+"""The routes that describe the service rather than serve a completion: the models it
+offers (`/v1/models`), whether it can serve (`/health`) and its metrics (`/metrics`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from policies.model_routing import AUTO_MODEL
+from serving.http.routes import Call, Route
+from serving.http.schemas.responses import ModelCard, ModelList
+from serving.pools.pool_monitor import PoolMonitor
+from serving.pools.slo_watch import SloWatch
+from serving.telemetry import Telemetry
+
+
+class ServiceRoutes:
+    """Handlers over the ingress's live view of its pools; none of them touches a pool."""
+
+    def __init__(
+        self,
+        model_names: tuple[str, ...],
+        pool_names: list[str],
+        monitor: PoolMonitor,
+        slo_watch: SloWatch,
+        telemetry: Telemetry,
+    ) -> None:
+        self._model_names = model_names
+        self._pool_names = pool_names
+        self._monitor = monitor
+        self._slo_watch = slo_watch
+        self._telemetry = telemetry
+
+    def routes(self) -> dict[tuple[str, str], Route]:
+        """Method and path of each route; only /health answers without a key."""
+        return {
+            ("GET", "/v1/models"): Route(self._list_models),
+            ("GET", "/health"): Route(self._health, public=True),
+            ("GET", "/metrics"): Route(self._metrics),
+        }
+
+    async def _list_models(self, request: Request, call: Call) -> Response:
+        """The models requests may name (`auto`, which lets the router choose, is not one)."""
+        names = [n for n in self._model_names if n != AUTO_MODEL]
+        cards = [ModelCard(id=name, created=0) for name in names]
+        return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+
+    async def _health(self, request: Request, call: Call) -> Response:
+        """503 while some pool has no live replica, so a load balancer routes elsewhere; a
+        pool still waiting for its model (the small model before it is distilled) is named
+        in `unavailable` but does not fail the check: everything else serves. Tiers whose
+        SLO their pools miss even idle are named in `slo_infeasible` (it serves, late)."""
+        waiting = {
+            name: reason
+            for name in self._pool_names
+            if (reason := self._monitor.unavailable_reason(name)) is not None
+        }
+        down = [
+            n for n in self._pool_names if not self._monitor.replica_stats(n) and n not in waiting
+        ]
+        details: dict[str, Any] = {"unavailable": waiting} if waiting else {}
+        if infeasible := self._slo_watch.infeasible():
+            details["slo_infeasible"] = infeasible
+        if down:
+            body = {"status": "degraded", "pools_down": down, **details}
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ok", **details})
+
+    async def _metrics(self, request: Request, call: Call) -> Response:
+        return Response(self._telemetry.render(), media_type=CONTENT_TYPE_LATEST)
