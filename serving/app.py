@@ -51,12 +51,13 @@ def build_app(config: TierserveConfig, engine_cls: EngineFactory | None = None) 
     )
     runner = None
     if config.batch_jobs.enabled:
-        # The runner sends its lines back through the ingress, found by this name.
-        # Like the ingress it only awaits I/O: no CPU of its own to reserve.
+        # The runner sends its lines back through the app's ingress (its front door, looked
+        # up when the first line runs: the ingress holds the runner, so the graph cannot
+        # hold the reverse edge). Like the ingress it only awaits I/O: no CPU to reserve.
         runner = BatchRunner.options(  # type: ignore[attr-defined]
             ray_actor_options={"num_cpus": 0, "resources": dict(config.batch_jobs.resources)},
             **shutdown,
-        ).bind(config.batch_jobs, config.limits.max_json_depth, INGRESS_NAME)
+        ).bind(config.batch_jobs, config.limits.max_json_depth)
     return ingress.bind(config, pools, runner, _difficulty_model(config))
 
 

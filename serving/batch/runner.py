@@ -4,7 +4,10 @@ One replica, the single writer of the SQLite store under `data_dir` (mount a
 persistent volume there on KubeRay). The ingress forwards the API calls here;
 the job loop sends each line back through the ingress's `run_batch_line`, so a
 line is validated, placed and limited exactly as an HTTP request at the batch
-tier. If Serve restarts this replica, the new one resumes every active batch.
+tier. The ingress is reached as the front door of the runner's own app: it holds
+this runner's handle, so the runner cannot be given its handle when the app is
+built (Serve's graph has no cycles), and no deployment name is shared between them.
+If Serve restarts this replica, the new one resumes every active batch.
 Methods are async so the API and the loop share one event loop: no call
 interleaves with the loop's bookkeeping halfway.
 """
@@ -38,10 +41,9 @@ from serving.config import BatchJobsConfig
 class BatchRunner:
     """Files, batches and the loop that runs them; answers are JSON-ready dicts."""
 
-    async def __init__(self, config: BatchJobsConfig, max_json_depth: int, ingress: str) -> None:  # type: ignore[misc]
+    async def __init__(self, config: BatchJobsConfig, max_json_depth: int) -> None:  # type: ignore[misc]
         self._store = BatchStore(Path(config.data_dir).expanduser())
         self._jobs = JobLoop(self._store, config, max_json_depth, self._send_line)
-        self._ingress_name = ingress
         self._ingress: DeploymentHandle | None = None
         self._loop = asyncio.create_task(self._jobs.run_forever())
 
@@ -98,9 +100,9 @@ class BatchRunner:
         return await self.batch(batch_id)
 
     async def _send_line(self, endpoint: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        if self._ingress is None:
+        if self._ingress is None:  # the controller's answer is a blocking call: off the loop
             app_name = serve.get_replica_context().app_name
-            self._ingress = serve.get_deployment_handle(self._ingress_name, app_name)
+            self._ingress = await asyncio.to_thread(serve.get_app_handle, app_name)
         answer: tuple[int, dict[str, Any]] = await self._ingress.run_batch_line.remote(
             endpoint, body
         )
