@@ -16,23 +16,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
 import math
 import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
-import psutil
 
 from bench.report import emit, log
+from bench.traffic.bad_requests import BAD_REQUESTS
+from bench.traffic.server_probes import (
+    idle_residue,
+    kill_one_pool_replica,
+    loopback_port,
+    serve_rss_mb,
+)
 
 BENCH = "soak"
 TIERS = ("interactive", "standard", "batch")
@@ -41,14 +45,6 @@ ACTION_WEIGHTS = {"complete": 30, "stream": 20, "disconnect": 20, "abort": 15, "
 MAX_ABORT_DELAY_S = 0.5
 WARMUP_FRACTION = 0.1
 """Share of the run (requests and time) done before the first memory reading."""
-SERVE_PROCESS_TITLES = ("ray::ServeReplica", "ray::ProxyActor")
-IDLE_CONFIRM_S = 2.0
-"""An idle reading must hold this long: longer than the ingress's stats poll period."""
-IDLE_METRICS = (
-    "vllm:kv_cache_usage_perc",
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-)
 
 
 class Outcome(StrEnum):
@@ -116,74 +112,6 @@ class SoakReport:
         emit(BENCH, "soak.leaked_kv_usage", self.leaked_kv_usage, "fraction", **extra)
         emit(BENCH, "soak.leaked_requests", self.leaked_requests, "requests", **extra)
         emit(BENCH, "soak.rss_growth_mb", self.rss_growth_mb, "MB", **extra)
-
-
-# --- bad requests ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BadRequest:
-    """One fuzz-corpus entry: raw bytes, so it can be what no JSON library would write."""
-
-    name: str
-    content: bytes
-    path: str = "/v1/chat/completions"
-    method: str = "POST"
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-def _chat(extra: str = "", content: str = '"hi"', max_tokens: str = "2") -> bytes:
-    messages = f'[{{"role": "user", "content": {content}}}]'
-    return f'{{"model": "m", "messages": {messages}, "max_tokens": {max_tokens}{extra}}}'.encode()
-
-
-def _completion(prompt: str, extra: str = "") -> bytes:
-    return f'{{"model": "m", "prompt": {prompt}, "max_tokens": 2{extra}}}'.encode()
-
-
-BAD_REQUESTS: tuple[BadRequest, ...] = (
-    BadRequest("nan temperature", _chat(', "temperature": NaN')),
-    BadRequest("infinite top_p", _chat(', "top_p": Infinity')),
-    BadRequest("negative temperature", _chat(', "temperature": -1')),
-    BadRequest("top_p above 1", _chat(', "top_p": 2.5')),
-    BadRequest("huge seed", _chat(f', "seed": {2**200}')),
-    BadRequest("negative seed", _chat(', "seed": -1')),
-    BadRequest("float seed", _chat(', "seed": 1.5')),
-    BadRequest("max_tokens 0", _chat(max_tokens="0")),
-    BadRequest("max_tokens huge", _chat(max_tokens="1e30")),
-    BadRequest("max_tokens a string", _chat(max_tokens='"two"')),
-    BadRequest("n huge", _chat(', "n": 1000000')),
-    BadRequest("top_logprobs huge", _chat(', "logprobs": true, "top_logprobs": 100000')),
-    BadRequest("stop list huge", _chat(f', "stop": {json.dumps(["x"] * 10_000)}')),
-    BadRequest("stream not bool", _chat(', "stream": "yes"')),
-    BadRequest("stream_options without stream", _chat(', "stream_options": {"x": 1}')),
-    BadRequest("lone surrogate", _chat(content=r'"\ud800 hi"')),
-    BadRequest("nul in content", _chat(content=r'"a\u0000b"')),
-    BadRequest("invalid utf-8", _chat(content='"XX"').replace(b"XX", b"\xff\xfe")),
-    BadRequest("unknown role", _chat().replace(b'"user"', b'"wizard"')),
-    BadRequest("content not text", _chat(content='{"a": [1, 2]}')),
-    BadRequest("messages empty", b'{"model": "m", "messages": [], "max_tokens": 2}'),
-    BadRequest("messages a string", b'{"model": "m", "messages": "hi", "max_tokens": 2}'),
-    BadRequest("deep nesting", _chat(', "x": ' + "[" * 50_000 + "]" * 50_000)),
-    BadRequest("empty prompt list", _completion("[]"), "/v1/completions"),
-    BadRequest("empty token list", _completion("[[]]"), "/v1/completions"),
-    BadRequest("token id past vocab", _completion("[999999999]"), "/v1/completions"),
-    BadRequest("negative token id", _completion("[-1, 5]"), "/v1/completions"),
-    BadRequest("prompt past context", _completion(json.dumps("word " * 20_000)), "/v1/completions"),
-    BadRequest("prompt a number", _completion("42"), "/v1/completions"),
-    BadRequest("not json", b"not json at all"),
-    BadRequest("empty body", b""),
-    BadRequest("json null", b"null"),
-    BadRequest("json list", b"[1, 2, 3]"),
-    BadRequest("truncated json", _chat()[:-7]),
-    BadRequest("body too large", b'{"x": "' + b"a" * 6_000_000 + b'"}'),
-    BadRequest("unknown tier header", _chat(), headers={"X-SLA-Tier": "platinum"}),
-    BadRequest("unknown tier field", _chat(', "tier": 5')),
-    BadRequest("garbled auth header", _chat(), headers={"Authorization": "Basic !!"}),
-    BadRequest("wrong content type", _chat(), headers={"Content-Type": "text/plain"}),
-    BadRequest("unknown route", b"{}", "/v1/nothing"),
-    BadRequest("get on a post route", b"", "/v1/chat/completions", "GET"),
-)
 
 
 # --- one request ----------------------------------------------------------------------------
@@ -328,7 +256,7 @@ async def soak(
 ) -> SoakReport:
     """Soak the server at `base_url` (loopback only): warm up, read memory, drive traffic
     (calling `chaos` once half way), wait for the pools to drain, read what is left."""
-    port = _loopback_port(base_url)
+    port = loopback_port(base_url)
     rng = random.Random(settings.seed)
     limits = httpx.Limits(max_connections=2 * settings.concurrency)
     timeout = httpx.Timeout(settings.request_timeout_s)
@@ -373,84 +301,7 @@ async def _after(delay_s: float, action: Callable[[], Awaitable[None]]) -> None:
     await action()
 
 
-async def idle_residue(client: httpx.AsyncClient, timeout_s: float) -> dict[str, float]:
-    """Poll /metrics until no pool has held KV blocks or requests for IDLE_CONFIRM_S (stats
-    reach /metrics one poll late), or `timeout_s` passes; each IDLE_METRICS name summed over
-    the pools, as last read."""
-    deadline_s = time.monotonic() + timeout_s
-    idle_since_s = math.inf
-    while True:
-        text = (await client.get("/metrics")).text
-        residue = {name: sum(_samples(text, name)) for name in IDLE_METRICS}
-        now_s = time.monotonic()
-        idle_since_s = min(idle_since_s, now_s) if not any(residue.values()) else math.inf
-        if now_s - idle_since_s >= IDLE_CONFIRM_S or now_s > deadline_s:
-            return residue
-        await asyncio.sleep(0.2)
-
-
-def _samples(metrics_text: str, name: str) -> list[float]:
-    return [
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics_text.splitlines()
-        if line.startswith(name + "{")
-    ]
-
-
-# --- the server's processes ------------------------------------------------------------------
-
-
-def _loopback_port(base_url: str) -> int:
-    url = urlsplit(base_url)
-    host = url.hostname or ""
-    if host != "localhost" and not ipaddress.ip_address(host).is_loopback:
-        raise ValueError(f"soak only targets loopback servers, not {host!r}")
-    return url.port or 80
-
-
-def serve_rss_mb(port: int) -> float:
-    """Resident memory (MB) of the Serve replicas and proxies of the Ray node serving `port`.
-
-    The process listening on `port` is the HTTP proxy; its parent is the node's raylet,
-    whose workers are the processes counted. NaN when no local process listens there.
-    """
-    listeners = [
-        c.pid
-        for c in psutil.net_connections("tcp")
-        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid
-    ]
-    if not listeners:
-        return math.nan
-    raylet = psutil.Process(listeners[0]).parent()
-    if raylet is None:
-        return math.nan
-    total = 0
-    for process in raylet.children(recursive=True):
-        try:
-            title = " ".join(process.cmdline())
-            if title.startswith(SERVE_PROCESS_TITLES):
-                total += process.memory_info().rss
-        except psutil.Error:  # exited meanwhile
-            continue
-    return total / 2**20
-
-
 # --- the command ----------------------------------------------------------------------------
-
-
-async def kill_one_pool_replica(app_name: str, rng: random.Random) -> None:
-    """ray.kill one replica of one pool (Serve then starts a replacement)."""
-    import ray
-
-    prefix = f"SERVE_REPLICA::{app_name}#pool-"
-    actors = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
-    names = sorted(a["name"] for a in actors if a["name"].startswith(prefix))
-    if not names:
-        log(f"soak: no pool replica named {prefix}* to kill")
-        return
-    victim = rng.choice(names)
-    log(f"soak: killing {victim}")
-    ray.kill(await asyncio.to_thread(ray.get_actor, victim, namespace="serve"), no_restart=True)
 
 
 def _parse_args() -> argparse.Namespace:

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from bench.serving.bench_serving import (
-    COMPLETIONS_PATH,
-    OUTPUT_TOKENS,
-    PROMPT_TOKENS,
-    Prompts,
     _sent_s,
     engine_closed_loop,
     path_config,
     serve_vs_engine_workloads,
 )
+from bench.serving.closed_loop import COMPLETIONS_PATH, OUTPUT_TOKENS, PROMPT_TOKENS, Prompts
 from serving.app_config import load_config
 
 CONFIG = load_config("configs/local.yaml")
