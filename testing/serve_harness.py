@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,28 @@ def fake_config(max_model_len: int = 4096, **updates: Any) -> TierserveConfig:
     )
     data = {**base.model_dump(), "pools": pools, "stats_poll_interval_s": 0.1, **updates}
     return TierserveConfig.model_validate(data)
+
+
+REAL_MAX_MODEL_LEN = 1024
+"""The context of real_engine_config's engines."""
+
+
+def real_engine_config(batch_dir: Path) -> TierserveConfig:
+    """configs/local.yaml (speculation on the interactive pool), with small exact engines on
+    the default model: unquantized, so both pools give the same greedy text
+    (tests/unit/engine/test_quant_loader.py covers the quantized load path); batch jobs
+    kept in `batch_dir`."""
+    base = load_config(REPO_ROOT / "configs" / "local.yaml")
+    small = {
+        "dtype": "float32", "num_kv_blocks": 64, "max_model_len": REAL_MAX_MODEL_LEN, "quant": None
+    }  # fmt: skip
+    pools = tuple(
+        pool.model_copy(update={"engine": replace(pool.engine, **small)}) for pool in base.pools
+    )
+    jobs = base.batch_jobs.model_copy(update={"data_dir": str(batch_dir), "retry_delay_s": 0.1})
+    return base.model_copy(
+        update={"pools": pools, "stats_poll_interval_s": 0.1, "batch_jobs": jobs}
+    )
 
 
 @contextmanager

@@ -1,4 +1,5 @@
-"""The Serve app end to end with the real engine: real Ray Serve, HTTP and the `openai` client.
+"""The Serve app end to end with the real engine: real Ray Serve, HTTP and the `openai` client
+(structured outputs and tool calls: test_serving_structured.py).
 
 One app for the module (two pools, each one fp32 engine on the default model,
 one torch thread); every request is a few greedy tokens so the module runs
@@ -7,50 +8,29 @@ in about a minute. Counts are checked against the real tokenizer.
 
 from __future__ import annotations
 
-import json
-import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
-from pathlib import Path
-from typing import Any
 
 import httpx
-import jsonschema
 import openai
-import pydantic
 import pytest
-from hypothesis import HealthCheck, given, settings
 
-from serving.app_config import TierserveConfig, load_config
-from testing.schemas import SCHEMAS
-from testing.serve_harness import metric, serving, wait_for_metric
+from testing.serve_harness import (
+    REAL_MAX_MODEL_LEN,
+    metric,
+    real_engine_config,
+    serving,
+    wait_for_metric,
+)
 
 MODEL = "SmolLM2-135M-Instruct"
-MAX_MODEL_LEN = 1024
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def _config(batch_dir: Path) -> TierserveConfig:
-    """configs/local.yaml (speculation on the interactive pool), with small exact engines:
-    unquantized, so both pools give the same greedy text
-    (tests/unit/engine/test_quant_loader.py covers the quantized load path); batch jobs
-    kept in `batch_dir`."""
-    base = load_config("configs/local.yaml")
-    small = {"dtype": "float32", "num_kv_blocks": 64, "max_model_len": MAX_MODEL_LEN, "quant": None}
-    pools = tuple(
-        pool.model_copy(update={"engine": replace(pool.engine, **small)}) for pool in base.pools
-    )
-    jobs = base.batch_jobs.model_copy(update={"data_dir": str(batch_dir), "retry_delay_s": 0.1})
-    return base.model_copy(
-        update={"pools": pools, "stats_poll_interval_s": 0.1, "batch_jobs": jobs}
-    )
 
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with serving(_config(tmp_path_factory.mktemp("batches"))) as url:
+    with serving(real_engine_config(tmp_path_factory.mktemp("batches"))) as url:
         yield url
 
 
@@ -139,13 +119,13 @@ def test_disconnect_mid_stream_frees_the_kv_blocks(base_url: str) -> None:
 
 
 def test_context_length_exceeded_names_the_real_token_counts(base_url: str, tokenizer) -> None:
-    body = {"model": MODEL, "messages": QUESTION, "max_tokens": MAX_MODEL_LEN}
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": REAL_MAX_MODEL_LEN}
     response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded"
     num_prompt = _num_chat_tokens(tokenizer, QUESTION)
-    for number in (MAX_MODEL_LEN, num_prompt + MAX_MODEL_LEN, num_prompt):
+    for number in (REAL_MAX_MODEL_LEN, num_prompt + REAL_MAX_MODEL_LEN, num_prompt):
         assert str(number) in error["message"]
 
 
@@ -292,199 +272,3 @@ def test_token_id_prompts_answer_as_their_text_does(
     too_big = {"model": MODEL, "prompt": [len(tokenizer)], "max_tokens": 1}
     response = httpx.post(f"{base_url}/v1/completions", json=too_big, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
-
-
-# ---- structured outputs and tool calls through the server (issue 29) ---------------------
-
-
-class City(pydantic.BaseModel):
-    """What `chat.completions.parse` turns into a strict json_schema response_format."""
-
-    name: str
-    population: int
-    coastal: bool
-
-
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 20}},
-            "required": ["city"],
-        },
-    },
-}
-
-
-@pytest.mark.parametrize("tier", ["interactive", "batch"])
-def test_parse_with_a_pydantic_model_answers_in_its_schema(client: openai.OpenAI, tier) -> None:
-    """The openai client's structured outputs, unchanged, on the speculating pool and on the
-    other; sampled at temperature 1.0."""
-    completion = client.chat.completions.parse(
-        model=MODEL, messages=QUESTION, response_format=City, temperature=1.0, seed=3,
-        max_tokens=80, extra_headers={"X-SLA-Tier": tier},
-    )  # fmt: skip
-    choice = completion.choices[0]
-    assert choice.finish_reason == "stop"
-    assert isinstance(choice.message.parsed, City)
-
-
-def test_json_schema_streamed_validates(client: openai.OpenAI) -> None:
-    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 30}}}
-    stream = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, temperature=1.0, seed=4, max_tokens=60, stream=True,
-        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
-    )  # fmt: skip
-    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    assert isinstance(json.loads(text).get("answer", ""), str)
-
-
-def test_a_schema_the_library_refuses_is_a_400_naming_the_field(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(
-            model=MODEL, messages=QUESTION, max_tokens=5,
-            response_format={"type": "json_schema",
-                             "json_schema": {"name": "x", "schema": {"type": "strin"}}},
-        )  # fmt: skip
-    assert caught.value.body["param"] == "response_format"
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_required_tool_call_comes_back_in_openais_shape(client: openai.OpenAI, stream) -> None:
-    asked = dict(
-        model=MODEL, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice="required",
-        parallel_tool_calls=False, temperature=0, max_tokens=60,
-    )  # fmt: skip
-    if stream:
-        calls: dict[int, dict[str, str]] = {}
-        finish_reason = None
-        for chunk in client.chat.completions.create(stream=True, **asked):
-            for delta in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
-                call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
-                call["name"] += delta.function.name or ""
-                call["arguments"] += delta.function.arguments or ""
-            finish_reason = chunk.choices[0].finish_reason if chunk.choices else finish_reason
-        assert finish_reason == "tool_calls"
-        assert [call["name"] for call in calls.values()] == ["get_weather"]
-        assert isinstance(json.loads(calls[0]["arguments"])["city"], str)
-        return
-    choice = client.chat.completions.create(**asked).choices[0]
-    assert choice.finish_reason == "tool_calls"
-    (call,) = choice.message.tool_calls
-    assert call.type == "function" and call.id.startswith("call_")
-    assert call.function.name == "get_weather"
-    assert isinstance(json.loads(call.function.arguments)["city"], str)
-
-
-def _response_format(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}
-
-
-@settings(
-    max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-@given(schema=SCHEMAS)
-def test_random_schemas_validate_whole_and_streamed(client: openai.OpenAI, schema) -> None:
-    """Random schemas within the supported subset, sampled at temperature 1.0 through the
-    server and the openai client: the answer validates, whole and streamed."""
-    asked = dict(
-        model=MODEL, messages=[{"role": "user", "content": "Give me a JSON object."}],
-        temperature=1.0, seed=9, max_tokens=160, response_format=_response_format(schema),
-    )  # fmt: skip
-    whole = client.chat.completions.create(**asked).choices[0]
-    assert whole.finish_reason == "stop", whole.message.content
-    jsonschema.validate(json.loads(whole.message.content or ""), schema)
-    stream = client.chat.completions.create(stream=True, **asked)
-    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    jsonschema.validate(json.loads(text), schema)
-
-
-def test_regex_and_choice_through_the_server(client: openai.OpenAI) -> None:
-    """vLLM's guided_regex and guided_choice, as its clients send them (extra_body)."""
-    asked = dict(model=MODEL, messages=QUESTION, temperature=1.0, seed=2, max_tokens=30)
-    regex = client.chat.completions.create(
-        extra_body={"guided_regex": r"[A-Z][a-z]{2,8}, [A-Z]{2}"}, **asked
-    ).choices[0]
-    assert re.fullmatch(r"[A-Z][a-z]{2,8}, [A-Z]{2}", regex.message.content or "")
-    choices = ["Paris", "Lyon", "Marseille"]
-    choice = client.chat.completions.create(extra_body={"guided_choice": choices}, **asked)
-    assert choice.choices[0].message.content in choices
-
-
-def test_text_that_looks_like_a_call_stays_text_without_tools(client: openai.OpenAI) -> None:
-    """A chat offering no tools whose answer is shaped as a call (a regex makes it so)
-    comes back as content: only requests with tools are read for calls."""
-    call = '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
-    choice = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, max_tokens=80, temperature=0,
-        extra_body={"guided_regex": re.escape(call)},
-    ).choices[0]  # fmt: skip
-    assert (choice.message.content, choice.message.tool_calls) == (call, None)
-    assert choice.finish_reason == "stop"
-
-
-def test_a_tool_result_round_trip(client: openai.OpenAI) -> None:
-    """The call the model made, then its result as a `tool` message: the model answers
-    (auto), with the conversation rendered through the chat template."""
-    messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
-    first = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=[WEATHER_TOOL], tool_choice={
-            "type": "function", "function": {"name": "get_weather"}},
-        temperature=0, max_tokens=60,
-    ).choices[0].message  # fmt: skip
-    (call,) = first.tool_calls or ()
-    messages += [
-        first.model_dump(exclude_none=True),
-        {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21, "sky": "clear"}'},
-    ]
-    answer = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=[WEATHER_TOOL], temperature=0, max_tokens=30
-    ).choices[0]
-    assert answer.finish_reason in ("stop", "length", "tool_calls")
-    assert answer.message.content or answer.message.tool_calls
-
-
-def test_batch_lines_carry_response_format_and_tools(client: openai.OpenAI) -> None:
-    """Issue 29 part 5: Batch API lines with a json_schema response_format and a required
-    tool call run on the batch tier held to their grammars, in OpenAI's output shapes."""
-    schema = {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 20},
-            "population": {"type": "integer", "minimum": 0, "maximum": 10**8},
-            "coastal": {"type": "boolean"},
-        },
-        "required": ["name", "population", "coastal"],
-        "additionalProperties": False,
-    }
-    bodies: dict[str, dict[str, Any]] = {
-        "json": {"response_format": _response_format(schema)},
-        "tool": {"tools": [WEATHER_TOOL], "tool_choice": "required", "parallel_tool_calls": False},
-        "plain": {"max_tokens": 8},
-    }
-    lines = [
-        json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-                    "body": {"model": MODEL, "messages": QUESTION, "temperature": 1.0,
-                             "seed": 5, "max_tokens": 80, **fields}})
-        for custom_id, fields in bodies.items()
-    ]  # fmt: skip
-    uploaded = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
-    batch = client.batches.create(
-        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
-    deadline = time.monotonic() + 180
-    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
-        assert time.monotonic() < deadline, batch.status
-        time.sleep(0.5)
-    assert batch.status == "completed" and batch.output_file_id, batch.errors
-    output = client.files.content(batch.output_file_id).text.splitlines()
-    answers = {r["custom_id"]: r["response"]["body"]["choices"][0] for r in map(json.loads, output)}
-    jsonschema.validate(json.loads(answers["json"]["message"]["content"]), schema)
-    (call,) = answers["tool"]["message"]["tool_calls"]
-    assert answers["tool"]["finish_reason"] == "tool_calls"
-    parameters = WEATHER_TOOL["function"]["parameters"]  # type: ignore[index]
-    jsonschema.validate(json.loads(call["function"]["arguments"]), parameters)
-    assert answers["plain"]["message"]["content"]
