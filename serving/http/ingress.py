@@ -112,7 +112,7 @@ class Ingress:
             },
             **ServiceRoutes(
                 self._planner.model_names,
-                list(self._pools),
+                tuple(self._pools),
                 self._monitor,
                 self._slo_watch,
                 self._telemetry,

@@ -3,6 +3,7 @@ offers (`/v1/models`), whether it can serve (`/health`) and its metrics (`/metri
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -17,22 +18,15 @@ from serving.pools.slo_watch import SloWatch
 from serving.telemetry import Telemetry
 
 
+@dataclass(frozen=True)
 class ServiceRoutes:
     """Handlers over the ingress's live view of its pools; none of them touches a pool."""
 
-    def __init__(
-        self,
-        model_names: tuple[str, ...],
-        pool_names: list[str],
-        monitor: PoolMonitor,
-        slo_watch: SloWatch,
-        telemetry: Telemetry,
-    ) -> None:
-        self._model_names = model_names
-        self._pool_names = pool_names
-        self._monitor = monitor
-        self._slo_watch = slo_watch
-        self._telemetry = telemetry
+    model_names: tuple[str, ...]
+    pool_names: tuple[str, ...]
+    monitor: PoolMonitor
+    slo_watch: SloWatch
+    telemetry: Telemetry
 
     def routes(self) -> dict[tuple[str, str], Route]:
         """Method and path of each route; only /health answers without a key."""
@@ -44,7 +38,7 @@ class ServiceRoutes:
 
     async def _list_models(self, request: Request, call: Call) -> Response:
         """The models requests may name (`auto`, which lets the router choose, is not one)."""
-        names = [n for n in self._model_names if n != AUTO_MODEL]
+        names = [n for n in self.model_names if n != AUTO_MODEL]
         cards = [ModelCard(id=name, created=0) for name in names]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
@@ -55,14 +49,14 @@ class ServiceRoutes:
         SLO their pools miss even idle are named in `slo_infeasible` (it serves, late)."""
         waiting = {
             name: reason
-            for name in self._pool_names
-            if (reason := self._monitor.unavailable_reason(name)) is not None
+            for name in self.pool_names
+            if (reason := self.monitor.unavailable_reason(name)) is not None
         }
         down = [
-            n for n in self._pool_names if not self._monitor.replica_stats(n) and n not in waiting
+            n for n in self.pool_names if not self.monitor.replica_stats(n) and n not in waiting
         ]
         details: dict[str, Any] = {"unavailable": waiting} if waiting else {}
-        if infeasible := self._slo_watch.infeasible():
+        if infeasible := self.slo_watch.infeasible():
             details["slo_infeasible"] = infeasible
         if down:
             body = {"status": "degraded", "pools_down": down, **details}
@@ -70,4 +64,4 @@ class ServiceRoutes:
         return JSONResponse({"status": "ok", **details})
 
     async def _metrics(self, request: Request, call: Call) -> Response:
-        return Response(self._telemetry.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(self.telemetry.render(), media_type=CONTENT_TYPE_LATEST)

@@ -9,7 +9,6 @@ in about a minute. Counts are checked against the real tokenizer.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -19,24 +18,11 @@ import pytest
 from testing.serve_harness import (
     REAL_MAX_MODEL_LEN,
     metric,
-    real_engine_config,
-    serving,
     wait_for_metric,
 )
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with serving(real_engine_config(tmp_path_factory.mktemp("batches"))) as url:
-        yield url
-
-
-@pytest.fixture
-def client(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
 
 
 def _num_chat_tokens(tokenizer, messages: list[dict[str, str]]) -> int:
@@ -45,8 +31,8 @@ def _num_chat_tokens(tokenizer, messages: list[dict[str, str]]) -> int:
     return len(ids if isinstance(ids, list) else ids["input_ids"])  # transformers 5: a mapping
 
 
-def test_greedy_chat_answers_and_counts_tokens(client: openai.OpenAI, tokenizer) -> None:
-    raw = client.chat.completions.with_raw_response.create(
+def test_greedy_chat_answers_and_counts_tokens(real_client: openai.OpenAI, tokenizer) -> None:
+    raw = real_client.chat.completions.with_raw_response.create(
         model=MODEL, messages=QUESTION, temperature=0, max_tokens=12,
         extra_headers={"X-SLA-Tier": "interactive"},
     )  # fmt: skip
@@ -64,12 +50,14 @@ def test_greedy_chat_answers_and_counts_tokens(client: openai.OpenAI, tokenizer)
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
-def test_stream_on_the_offline_pool_matches_the_speculating_pool(client: openai.OpenAI) -> None:
+def test_stream_on_the_offline_pool_matches_the_speculating_pool(
+    real_client: openai.OpenAI,
+) -> None:
     """Greedy text is the same streamed or not, with speculation (interactive) or without."""
-    whole = client.chat.completions.create(
+    whole = real_client.chat.completions.create(
         model=MODEL, messages=QUESTION, temperature=0, max_tokens=12
     )
-    stream = client.chat.completions.create(
+    stream = real_client.chat.completions.create(
         model=MODEL, messages=QUESTION, temperature=0, max_tokens=12, stream=True,
         stream_options={"include_usage": True}, extra_headers={"X-SLA-Tier": "batch"},
     )  # fmt: skip
@@ -87,40 +75,44 @@ def test_stream_on_the_offline_pool_matches_the_speculating_pool(client: openai.
      ("batch", {"offline"})],
 )  # fmt: skip
 def test_tier_header_routes_to_the_configured_pool(
-    client: openai.OpenAI, tier: str, pool: set[str]
+    real_client: openai.OpenAI, tier: str, pool: set[str]
 ) -> None:
-    raw = client.completions.with_raw_response.create(
+    raw = real_client.completions.with_raw_response.create(
         model=MODEL, prompt="Hello", max_tokens=1, extra_headers={"X-SLA-Tier": tier}
     )
     assert raw.headers["x-tierserve-pool"] in pool
     assert raw.parse().usage.completion_tokens == 1
 
 
-def test_completion_usage_counts_the_prompt_tokens(client: openai.OpenAI, tokenizer) -> None:
+def test_completion_usage_counts_the_prompt_tokens(real_client: openai.OpenAI, tokenizer) -> None:
     prompt = "The quick brown fox jumps over"
-    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    completion = real_client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0
+    )
     assert completion.usage.prompt_tokens == len(tokenizer.encode(prompt))
     assert completion.usage.completion_tokens == 3
 
 
-def test_disconnect_mid_stream_frees_the_kv_blocks(base_url: str) -> None:
+def test_disconnect_mid_stream_frees_the_kv_blocks(real_app_url: str) -> None:
     body = {
         "model": MODEL, "messages": QUESTION, "max_tokens": 500, "ignore_eos": True,
         "stream": True,
     }  # fmt: skip
     headers = {"X-SLA-Tier": "batch"}
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=headers) as r:
+    with httpx.stream(
+        "POST", f"{real_app_url}/v1/chat/completions", json=body, headers=headers
+    ) as r:
         lines = r.iter_lines()  # kept: a dropped iterator would close the stream at once
         next(lines)
-        wait_for_metric(base_url, "vllm:num_requests_running", 1, timeout_s=30, pool="offline")
-        assert metric(base_url, "vllm:kv_cache_usage_perc", pool="offline") > 0
-    wait_for_metric(base_url, "vllm:num_requests_running", 0, timeout_s=30, pool="offline")
-    wait_for_metric(base_url, "vllm:kv_cache_usage_perc", 0, timeout_s=30, pool="offline")
+        wait_for_metric(real_app_url, "vllm:num_requests_running", 1, timeout_s=30, pool="offline")
+        assert metric(real_app_url, "vllm:kv_cache_usage_perc", pool="offline") > 0
+    wait_for_metric(real_app_url, "vllm:num_requests_running", 0, timeout_s=30, pool="offline")
+    wait_for_metric(real_app_url, "vllm:kv_cache_usage_perc", 0, timeout_s=30, pool="offline")
 
 
-def test_context_length_exceeded_names_the_real_token_counts(base_url: str, tokenizer) -> None:
+def test_context_length_exceeded_names_the_real_token_counts(real_app_url: str, tokenizer) -> None:
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": REAL_MAX_MODEL_LEN}
-    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=30)
+    response = httpx.post(f"{real_app_url}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded"
@@ -131,7 +123,7 @@ def test_context_length_exceeded_names_the_real_token_counts(base_url: str, toke
 
 @pytest.mark.parametrize("tier", ["interactive", "batch"])
 def test_a_seeded_request_gives_the_same_text_cold_warm_and_in_a_busy_batch(
-    client: openai.OpenAI, tier: str
+    real_client: openai.OpenAI, tier: str
 ) -> None:
     """Five runs of one seeded sampling request on each pool (speculating interactive,
     plain offline): the first computes the whole prompt, the next reads it from the prefix
@@ -140,7 +132,7 @@ def test_a_seeded_request_gives_the_same_text_cold_warm_and_in_a_busy_batch(
     extra = {"extra_headers": {"X-SLA-Tier": tier}}
 
     def seeded() -> str:
-        completion = client.chat.completions.create(
+        completion = real_client.chat.completions.create(
             model=MODEL, messages=messages, temperature=0.9, seed=1234, max_tokens=16, **extra
         )
         return completion.choices[0].message.content
@@ -149,7 +141,7 @@ def test_a_seeded_request_gives_the_same_text_cold_warm_and_in_a_busy_batch(
         """One request beside the seeded one; False if the tier turned it away."""
         question = [{"role": "user", "content": f"Count to {i + 3} in words, then explain. " * i}]
         try:
-            client.chat.completions.create(
+            real_client.chat.completions.create(
                 model=MODEL, messages=question, temperature=1.0, max_tokens=12, **extra
             )
         except openai.RateLimitError:
@@ -173,19 +165,19 @@ def test_a_seeded_request_gives_the_same_text_cold_warm_and_in_a_busy_batch(
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_logprobs_name_each_token_with_its_likeliest_alternatives(
-    client: openai.OpenAI, stream: bool
+    real_client: openai.OpenAI, stream: bool
 ) -> None:
     request = dict(
         model=MODEL, messages=QUESTION, temperature=0, max_tokens=6, logprobs=True,
         top_logprobs=3, stream=stream, extra_body={"ignore_eos": True},
     )  # fmt: skip
     if stream:
-        chunks = list(client.chat.completions.create(**request))
+        chunks = list(real_client.chat.completions.create(**request))
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         entries = [e for c in chunks if c.choices and c.choices[0].logprobs
                    for e in c.choices[0].logprobs.content]  # fmt: skip
     else:
-        completion = client.chat.completions.create(**request)
+        completion = real_client.chat.completions.create(**request)
         text = completion.choices[0].message.content
         entries = completion.choices[0].logprobs.content
     assert len(entries) == 6
@@ -200,8 +192,8 @@ def test_chat_logprobs_name_each_token_with_its_likeliest_alternatives(
         assert entry.logprob <= 0 and bytes(entry.bytes).decode() == entry.token
 
 
-def test_completion_logprobs_are_parallel_lists_with_offsets(client: openai.OpenAI) -> None:
-    completion = client.completions.create(
+def test_completion_logprobs_are_parallel_lists_with_offsets(real_client: openai.OpenAI) -> None:
+    completion = real_client.completions.create(
         model=MODEL, prompt="The quick brown fox", max_tokens=5, temperature=0, logprobs=2,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
@@ -219,7 +211,7 @@ def test_completion_logprobs_are_parallel_lists_with_offsets(client: openai.Open
         assert logprob == pytest.approx(top[token])
 
 
-def test_logprobs_out_of_range_or_without_the_switch_are_400(base_url: str) -> None:
+def test_logprobs_out_of_range_or_without_the_switch_are_400(real_app_url: str) -> None:
     bodies = [
         {"messages": QUESTION, "top_logprobs": 2},  # OpenAI requires logprobs: true
         {"messages": QUESTION, "logprobs": True, "top_logprobs": 21},
@@ -227,18 +219,20 @@ def test_logprobs_out_of_range_or_without_the_switch_are_400(base_url: str) -> N
     ]
     for body in bodies:
         path = "chat/completions" if "messages" in body else "completions"
-        response = httpx.post(f"{base_url}/v1/{path}", json={"model": MODEL, **body}, timeout=30)
+        response = httpx.post(
+            f"{real_app_url}/v1/{path}", json={"model": MODEL, **body}, timeout=30
+        )
         assert response.status_code == 400, body
         assert response.json()["error"]["type"] == "invalid_request_error"
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(
-    client: openai.OpenAI, tokenizer, stream: bool
+    real_client: openai.OpenAI, tokenizer, stream: bool
 ) -> None:
     """lm-evaluation-harness's log-likelihood request: echo, logprobs=1, one new token."""
     prompt = "The capital of France is Paris"
-    response = client.completions.create(
+    response = real_client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True,
         stream=stream, extra_headers={"X-SLA-Tier": "batch"},
     )  # fmt: skip
@@ -256,19 +250,19 @@ def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(
 
 
 def test_token_id_prompts_answer_as_their_text_does(
-    client: openai.OpenAI, base_url: str, tokenizer
+    real_client: openai.OpenAI, real_app_url: str, tokenizer
 ) -> None:
     """lm-eval's local-completions sends prompts as token ids (a batch of them at once)."""
     texts = ["The capital of France is", "One, two, three,"]
     ids = [tokenizer.encode(text) for text in texts]
     asked = dict(model=MODEL, max_tokens=4, temperature=0, logprobs=1, echo=True)
-    by_text = client.completions.create(prompt=texts, **asked)
-    by_ids = client.completions.create(prompt=ids, **asked)
+    by_text = real_client.completions.create(prompt=texts, **asked)
+    by_ids = real_client.completions.create(prompt=ids, **asked)
     for text, tokens in zip(by_text.choices, by_ids.choices, strict=True):
         assert tokens.text == text.text
         assert tokens.logprobs.token_logprobs == text.logprobs.token_logprobs
-    single = client.completions.create(prompt=ids[0], **asked)
+    single = real_client.completions.create(prompt=ids[0], **asked)
     assert single.choices[0].text == by_text.choices[0].text
     too_big = {"model": MODEL, "prompt": [len(tokenizer)], "max_tokens": 1}
-    response = httpx.post(f"{base_url}/v1/completions", json=too_big, timeout=30)
+    response = httpx.post(f"{real_app_url}/v1/completions", json=too_big, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"

@@ -2,7 +2,7 @@
 the `openai` client's `parse`, json_schema whole and streamed, vLLM's guided fields, tool
 calls forced, offered and answered, and Batch API lines held to their grammars.
 
-One app for the module, as test_serving.py's (fp32 engines on the default model).
+One app for the module, as for test_serving.py: `real_app_url` (tests/integration/conftest.py).
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -20,21 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from testing.schemas import SCHEMAS
-from testing.serve_harness import real_engine_config, serving
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with serving(real_engine_config(tmp_path_factory.mktemp("batches"))) as url:
-        yield url
-
-
-@pytest.fixture
-def client(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
 
 
 class City(pydantic.BaseModel):
@@ -60,10 +47,12 @@ WEATHER_TOOL = {
 
 
 @pytest.mark.parametrize("tier", ["interactive", "batch"])
-def test_parse_with_a_pydantic_model_answers_in_its_schema(client: openai.OpenAI, tier) -> None:
+def test_parse_with_a_pydantic_model_answers_in_its_schema(
+    real_client: openai.OpenAI, tier
+) -> None:
     """The openai client's structured outputs, unchanged, on the speculating pool and on the
     other; sampled at temperature 1.0."""
-    completion = client.chat.completions.parse(
+    completion = real_client.chat.completions.parse(
         model=MODEL, messages=QUESTION, response_format=City, temperature=1.0, seed=3,
         max_tokens=80, extra_headers={"X-SLA-Tier": tier},
     )  # fmt: skip
@@ -72,9 +61,9 @@ def test_parse_with_a_pydantic_model_answers_in_its_schema(client: openai.OpenAI
     assert isinstance(choice.message.parsed, City)
 
 
-def test_json_schema_streamed_validates(client: openai.OpenAI) -> None:
+def test_json_schema_streamed_validates(real_client: openai.OpenAI) -> None:
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 30}}}
-    stream = client.chat.completions.create(
+    stream = real_client.chat.completions.create(
         model=MODEL, messages=QUESTION, temperature=1.0, seed=4, max_tokens=60, stream=True,
         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
     )  # fmt: skip
@@ -82,9 +71,9 @@ def test_json_schema_streamed_validates(client: openai.OpenAI) -> None:
     assert isinstance(json.loads(text).get("answer", ""), str)
 
 
-def test_a_schema_the_library_refuses_is_a_400_naming_the_field(client: openai.OpenAI) -> None:
+def test_a_schema_the_library_refuses_is_a_400_naming_the_field(real_client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(
+        real_client.chat.completions.create(
             model=MODEL, messages=QUESTION, max_tokens=5,
             response_format={"type": "json_schema",
                              "json_schema": {"name": "x", "schema": {"type": "strin"}}},
@@ -93,7 +82,9 @@ def test_a_schema_the_library_refuses_is_a_400_naming_the_field(client: openai.O
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_required_tool_call_comes_back_in_openais_shape(client: openai.OpenAI, stream) -> None:
+def test_a_required_tool_call_comes_back_in_openais_shape(
+    real_client: openai.OpenAI, stream
+) -> None:
     asked = dict(
         model=MODEL, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice="required",
         parallel_tool_calls=False, temperature=0, max_tokens=60,
@@ -101,7 +92,7 @@ def test_a_required_tool_call_comes_back_in_openais_shape(client: openai.OpenAI,
     if stream:
         calls: dict[int, dict[str, str]] = {}
         finish_reason = None
-        for chunk in client.chat.completions.create(stream=True, **asked):
+        for chunk in real_client.chat.completions.create(stream=True, **asked):
             for delta in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
                 call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
                 call["name"] += delta.function.name or ""
@@ -111,7 +102,7 @@ def test_a_required_tool_call_comes_back_in_openais_shape(client: openai.OpenAI,
         assert [call["name"] for call in calls.values()] == ["get_weather"]
         assert isinstance(json.loads(calls[0]["arguments"])["city"], str)
         return
-    choice = client.chat.completions.create(**asked).choices[0]
+    choice = real_client.chat.completions.create(**asked).choices[0]
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_")
@@ -127,38 +118,38 @@ def _response_format(schema: dict[str, Any]) -> dict[str, Any]:
     max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(schema=SCHEMAS)
-def test_random_schemas_validate_whole_and_streamed(client: openai.OpenAI, schema) -> None:
+def test_random_schemas_validate_whole_and_streamed(real_client: openai.OpenAI, schema) -> None:
     """Random schemas within the supported subset, sampled at temperature 1.0 through the
     server and the openai client: the answer validates, whole and streamed."""
     asked = dict(
         model=MODEL, messages=[{"role": "user", "content": "Give me a JSON object."}],
         temperature=1.0, seed=9, max_tokens=160, response_format=_response_format(schema),
     )  # fmt: skip
-    whole = client.chat.completions.create(**asked).choices[0]
+    whole = real_client.chat.completions.create(**asked).choices[0]
     assert whole.finish_reason == "stop", whole.message.content
     jsonschema.validate(json.loads(whole.message.content or ""), schema)
-    stream = client.chat.completions.create(stream=True, **asked)
+    stream = real_client.chat.completions.create(stream=True, **asked)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     jsonschema.validate(json.loads(text), schema)
 
 
-def test_regex_and_choice_through_the_server(client: openai.OpenAI) -> None:
+def test_regex_and_choice_through_the_server(real_client: openai.OpenAI) -> None:
     """vLLM's guided_regex and guided_choice, as its clients send them (extra_body)."""
     asked = dict(model=MODEL, messages=QUESTION, temperature=1.0, seed=2, max_tokens=30)
-    regex = client.chat.completions.create(
+    regex = real_client.chat.completions.create(
         extra_body={"guided_regex": r"[A-Z][a-z]{2,8}, [A-Z]{2}"}, **asked
     ).choices[0]
     assert re.fullmatch(r"[A-Z][a-z]{2,8}, [A-Z]{2}", regex.message.content or "")
     choices = ["Paris", "Lyon", "Marseille"]
-    choice = client.chat.completions.create(extra_body={"guided_choice": choices}, **asked)
+    choice = real_client.chat.completions.create(extra_body={"guided_choice": choices}, **asked)
     assert choice.choices[0].message.content in choices
 
 
-def test_text_that_looks_like_a_call_stays_text_without_tools(client: openai.OpenAI) -> None:
+def test_text_that_looks_like_a_call_stays_text_without_tools(real_client: openai.OpenAI) -> None:
     """A chat offering no tools whose answer is shaped as a call (a regex makes it so)
     comes back as content: only requests with tools are read for calls."""
     call = '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
-    choice = client.chat.completions.create(
+    choice = real_client.chat.completions.create(
         model=MODEL, messages=QUESTION, max_tokens=80, temperature=0,
         extra_body={"guided_regex": re.escape(call)},
     ).choices[0]  # fmt: skip
@@ -166,11 +157,11 @@ def test_text_that_looks_like_a_call_stays_text_without_tools(client: openai.Ope
     assert choice.finish_reason == "stop"
 
 
-def test_a_tool_result_round_trip(client: openai.OpenAI) -> None:
+def test_a_tool_result_round_trip(real_client: openai.OpenAI) -> None:
     """The call the model made, then its result as a `tool` message: the model answers
     (auto), with the conversation rendered through the chat template."""
     messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
-    first = client.chat.completions.create(
+    first = real_client.chat.completions.create(
         model=MODEL, messages=messages, tools=[WEATHER_TOOL], tool_choice={
             "type": "function", "function": {"name": "get_weather"}},
         temperature=0, max_tokens=60,
@@ -180,7 +171,7 @@ def test_a_tool_result_round_trip(client: openai.OpenAI) -> None:
         first.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21, "sky": "clear"}'},
     ]
-    answer = client.chat.completions.create(
+    answer = real_client.chat.completions.create(
         model=MODEL, messages=messages, tools=[WEATHER_TOOL], temperature=0, max_tokens=30
     ).choices[0]
     assert answer.finish_reason in ("stop", "length", "tool_calls")
@@ -221,11 +212,11 @@ def _run_batch(client: openai.OpenAI, bodies: dict[str, dict[str, Any]]) -> dict
     return {r["custom_id"]: r["response"]["body"]["choices"][0] for r in map(json.loads, output)}
 
 
-def test_batch_lines_carry_response_format_and_tools(client: openai.OpenAI) -> None:
+def test_batch_lines_carry_response_format_and_tools(real_client: openai.OpenAI) -> None:
     """Issue 29 part 5: Batch API lines with a json_schema response_format and a required
     tool call run on the batch tier held to their grammars, in OpenAI's output shapes."""
     answers = _run_batch(
-        client,
+        real_client,
         {
             "json": {"response_format": _response_format(CITY_SCHEMA)},
             "tool": {"tools": [WEATHER_TOOL], "tool_choice": "required",
