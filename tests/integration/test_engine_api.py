@@ -41,7 +41,7 @@ def allocation_state(engine: LLMEngine) -> tuple:
         len(scheduler.running),
         kv.pool.num_free_blocks,
         kv.num_queries,
-        engine.num_prompt_tokens,
+        engine.counters.num_prompt_tokens,
     )
 
 
