@@ -1,16 +1,19 @@
-"""A model-free engine and tokenizer that honour the engine contract, for deployment tests."""
+"""Test doubles that honour the real contracts: a model-free engine and tokenizer for
+deployment tests, and a scripted draft proposer for speculation tests."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.model.students import STUDENT_MODEL, latest_student
 from engine.outputs import EngineStats, RequestOutput
-from engine.request import DEFAULT_URGENCY, Urgency
+from engine.request import DEFAULT_URGENCY, Request, Urgency
 from engine.sampling_params import SamplingParams
+from engine.spec_decode import Proposal
 from serving.pools.pool import ReplicaStats
 
 TOKEN_DELAY_S = 0.005
@@ -206,3 +209,31 @@ class FakePoolHandle:
             call.set_result(stats)
         self.calls.append(call)
         return call
+
+
+class ScriptedProposer:
+    """Drafts from a known answer: right for a random number of tokens, then one wrong one.
+
+    Its rejections land at every offset of a block, which the real proposers,
+    cut short by the draft length after a few misses, rarely manage in a short test.
+    """
+
+    cooldown_steps = 1
+
+    def __init__(self, answer: list[int], vocab_size: int, seed: int) -> None:
+        self.answer, self.vocab_size, self.rng = answer, vocab_size, random.Random(seed)
+
+    def propose(self, requests: dict[Request, int]) -> dict[Request, Proposal]:
+        out = {}
+        for request, k in requests.items():
+            right = self.answer[request.num_tokens : request.num_tokens + k]
+            num_right = self.rng.randint(0, len(right))
+            drafts = right[:num_right]
+            if num_right < len(right):
+                drafts.append((right[num_right] + 1) % self.vocab_size)
+            if drafts:
+                out[request] = Proposal(drafts)
+        return out
+
+    def release(self, request: Request) -> None:
+        pass
