@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from cli import batch as batch_cli
+from cli import cache as cache_cli
 from cli import distill as distill_cli
 from cli import router as router_cli
 
@@ -16,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tierserve", description=__doc__)
     commands = parser.add_subparsers(dest="group", required=True)
     batch_cli.add_commands(commands)
+    cache_cli.add_commands(commands)
     distill_cli.add_commands(commands)
     router_cli.add_commands(commands)
     args = parser.parse_args(argv)

@@ -28,9 +28,15 @@ from engine.engine_process import EngineProcess
 from engine.messages import AbortRequest, AddRequest, Delivery
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import DEFAULT_URGENCY, Urgency
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams
 
-__all__ = ["AsyncLLMEngine", "EngineRequestError"]
+__all__ = ["EMBEDDING_PARAMS", "AsyncLLMEngine", "EngineRequestError"]
+
+EMBEDDING_PARAMS = SamplingParams(max_tokens=1, temperature=0)
+"""What an embedding request is checked against (its prompt must fit the context like a
+one-token generation's); nothing is ever sampled with them."""
+MEAN_POOLING = PoolingParams()
+"""The served pooling: the mean of the last layer's states, L2-normalized."""
 
 
 class AsyncLLMEngine:
@@ -55,8 +61,10 @@ class AsyncLLMEngine:
         params: SamplingParams,
         request_id: str,
         urgency: Urgency = DEFAULT_URGENCY,
+        pooling: PoolingParams | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream the request's deltas; stopping iteration early aborts it.
+        """Stream the request's deltas; stopping iteration early aborts it. With `pooling`
+        the request is an embedding: one output, its `embedding` set.
 
         Raises ValueError for a request the engine refuses, EngineRequestError when
         the request fails inside the engine.
@@ -69,7 +77,7 @@ class AsyncLLMEngine:
             del self._streams[request_id]
             raise RuntimeError("the engine loop is dead")
         sent_s = time.time()
-        self.core.send(AddRequest(request_id, prompt_token_ids, params, urgency))
+        self.core.send(AddRequest(request_id, prompt_token_ids, params, urgency, pooling))
         finished = False
         try:
             while not finished:
@@ -84,6 +92,22 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def embed(
+        self,
+        prompt_token_ids: list[int],
+        request_id: str,
+        urgency: Urgency = DEFAULT_URGENCY,
+        pooling: PoolingParams = MEAN_POOLING,
+    ) -> RequestOutput:
+        """The prompt's pooled hidden state, batched with everything else the engine runs
+        (a prefill-only sequence); the output's `embedding` and `num_prompt_tokens`."""
+        async for output in self.generate(
+            prompt_token_ids, EMBEDDING_PARAMS, request_id, urgency, pooling
+        ):
+            if output.finished:
+                return output
+        raise EngineRequestError("the embedding request ended without a result")
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (a no-op once it has finished)."""

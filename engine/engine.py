@@ -25,7 +25,7 @@ from engine.outputs import EngineStats, RequestOutput, RunnerOutput
 from engine.prompt_limits import PromptLimits
 from engine.quant.prepare import prepare_model
 from engine.request import Request, Urgency
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import DraftModelProposer, Proposal, Speculator, build_speculator
 from engine.step_cost import StepCostModel
@@ -77,14 +77,22 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         tpot_target_s: float | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         """Queue a request, checked against `limits` first (ValueError says what is wrong).
-        `tpot_target_s` is its time-per-token target, which the scheduler keeps steps within."""
+        `tpot_target_s` is its time-per-token target, which the scheduler keeps steps within;
+        `pooling` makes it an embedding request (engine/pooling.py)."""
         self.limits.check(prompt_token_ids, params)
-        self.enqueue(request_id, prompt_token_ids, params, Urgency(priority, tpot_target_s))
+        urgency = Urgency(priority, tpot_target_s)
+        self.enqueue(request_id, prompt_token_ids, params, urgency, pooling)
 
     def enqueue(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, urgency: Urgency
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        urgency: Urgency,
+        pooling: PoolingParams | None = None,
     ) -> None:
         """Queue a request its caller already checked against `limits` (the async front does,
         before the request crosses to the loop). A grammar is compiled here (cached by
@@ -95,7 +103,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = Request(
             request_id, list(prompt_token_ids), params, urgency.priority, urgency.tpot_target_s,
-            self.eos_token_ids, sampling_seed=seed,
+            self.eos_token_ids, sampling_seed=seed, pooling=pooling,
         )  # fmt: skip
         self.requests[request_id] = LiveSequence.start(request, self.tokenizer)
         self.counters.count_prompt(len(prompt_token_ids))
@@ -205,7 +213,8 @@ class LLMEngine:
         if reason is not None:
             self._release(request)
         logprobs = result.logprobs.get(request)
-        return tracked.output(token_ids, logprobs and logprobs[: len(token_ids)], text, reason)
+        output = tracked.output(token_ids, logprobs and logprobs[: len(token_ids)], text, reason)
+        return dataclasses.replace(output, embedding=result.embeddings.get(request))
 
     def _release(self, request: Request) -> None:
         """Forget a finished request everywhere outside the scheduler."""

@@ -106,8 +106,9 @@ class EngineLoop:
         if isinstance(message, AddRequest):
             try:  # the front checked it against the engine's limits before sending
                 self.engine.enqueue(
-                    message.request_id, message.prompt, message.params, message.urgency
-                )
+                    message.request_id, message.prompt, message.params, message.urgency,
+                    message.pooling,
+                )  # fmt: skip
             except ValueError as exc:
                 return [(message.request_id, exc)]
             return []

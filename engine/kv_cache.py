@@ -110,7 +110,7 @@ class KVCacheManager:
         computes it is the one that produces the next token's logits. A request
         that wants its prompt's logprobs computes it all.
         """
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or _computes_whole_prompt(request):
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._extend_hashes(request, max_blocks)
@@ -181,3 +181,9 @@ class KVCacheManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
             hashes.append(hash((parent, tuple(tokens[i * size : (i + 1) * size]))))
+
+
+def _computes_whole_prompt(request: Request) -> bool:
+    """Prompt scores and embeddings need every prompt position's hidden state, which the
+    cache's K/V cannot give: such a request computes its prompt from the start."""
+    return request.params.prompt_logprobs is not None or request.pooling is not None

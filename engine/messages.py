@@ -14,7 +14,7 @@ from typing import Any
 from engine.outputs import EngineStats, RequestOutput
 from engine.prompt_limits import PromptLimits
 from engine.request import Urgency
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams
 
 Delivery = list[tuple[str, RequestOutput | BaseException]]
 """Items for streams, by request id: an output, or the error that ends the stream."""
@@ -28,6 +28,8 @@ class AddRequest:
     prompt: list[int]
     params: SamplingParams
     urgency: Urgency
+    pooling: PoolingParams | None = None
+    """Set for an embedding request (engine/pooling.py)."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ class RunnerOutput:
     prompt_logprobs: dict[Request, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
     """For requests that asked: the index of the first prompt token this step scored, and
     the scores of it and the following ones (each under the tokens before it)."""
+    embeddings: dict[Request, list[float]] = field(default_factory=dict)
+    """Embedding requests whose whole prompt is now computed: the pooled vector of each."""
     failed: dict[Request, str] = field(default_factory=dict)
     """Requests whose own sampling raised, with the error: they end, the batch goes on."""
 
@@ -76,6 +78,8 @@ class RequestOutput:
     """Time from arrival until the request was first scheduled."""
     first_token_times: FirstTokenTimes | None = None
     """On the output carrying the request's first token."""
+    embedding: list[float] | None = None
+    """An embedding request's pooled vector, in its one (finished) output."""
 
     def then(self, later: RequestOutput) -> RequestOutput:
         """This delta and the request's next one as a single delta (tokens, text and

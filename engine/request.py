@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -59,6 +59,9 @@ class Request:
     sampling_seed: int = 0
     """Keys every random draw of this request with the output position (engine/sampler.py):
     `params.seed` when given, else one the engine drew."""
+    pooling: PoolingParams | None = None
+    """Set for an embedding request (engine/pooling.py): it prefills its prompt, whole and
+    never from the prefix cache, and ends with the pooled hidden state, sampling nothing."""
     arrival: int = 0
     """Arrival order in its scheduler (set by `Scheduler.add`): breaks priority ties."""
     arrival_time_s: float = field(default_factory=time.monotonic)

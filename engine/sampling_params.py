@@ -1,4 +1,5 @@
-"""Per-request sampling settings, validated before the engine allocates anything."""
+"""Per-request sampling settings, validated before the engine allocates anything; and an
+embedding request's pooling settings, which take the place of sampling (engine/pooling.py)."""
 
 from __future__ import annotations
 
@@ -180,3 +181,14 @@ class SamplingParams:
 def _check_finite(name: str, value: float) -> None:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value}")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """How a prompt becomes one vector (picklable: it crosses to the engine process)."""
+
+    pooling: Literal["mean", "last"] = "mean"
+    """`mean` over every prompt position (served), or the last position's state (kept for
+    the comparison in bench and docs)."""
+    normalize: bool = True
+    """Scale to unit L2 norm, so a dot product is the cosine similarity."""

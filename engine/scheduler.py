@@ -141,10 +141,9 @@ class Scheduler:
 
         Blocks are named for the prefix cache before anything can finish and free them.
         A failed request advances nothing (its K/V may be garbage, so its blocks are never
-        named) and finishes with `error`. Sampled tokens are appended up to the first stop
-        token or the length limit, then lookahead past the newest token (rejected drafts)
-        is rolled back.
-        """
+        named) and finishes with `error`; an embedding request finishes once pooled. Sampled
+        tokens are appended up to the first stop token or the length limit, then lookahead
+        past the newest token (rejected drafts) is rolled back."""
         for request, num_new in scheduled.num_new_tokens.items():
             if request not in result.failed:
                 request.num_computed_tokens += num_new
@@ -153,6 +152,9 @@ class Scheduler:
         for request in result.failed:
             kept[request] = []
             self.finish(request, "error")
+        for request in result.embeddings:  # prefill done: an embedding request's only step
+            kept[request] = []
+            self.finish(request, "stop")
         for request, token_ids in result.sampled_token_ids.items():
             kept[request], reason = _append(request, token_ids)
             self._roll_back_lookahead(request)

@@ -343,6 +343,7 @@ def _may_speculate(request: Request) -> bool:
     decoding = request.num_tokens - request.num_computed_tokens == 1
     return (
         decoding
+        and request.pooling is None  # an embedding request never decodes
         and params.repetition_penalty == 1.0
         and request.num_output_tokens >= params.min_tokens
     )

@@ -42,6 +42,7 @@ def build_app(config: TierserveConfig, engine_cls: EngineFactory | None = None) 
     }
     ingress = Ingress.options(  # type: ignore[attr-defined]
         name=INGRESS_NAME,
+        num_replicas=config.ingress_num_replicas,
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         # The ingress only awaits I/O; the gateway, not Serve's queue, bounds the load.
         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,

@@ -19,6 +19,9 @@ class TierserveConfig(IngressConfig):
     """Everything the Serve app is built from."""
 
     ingress_num_cpus: float = Field(default=0.0, ge=0)
+    ingress_num_replicas: int = Field(default=1, ge=1)
+    """Ingress replicas behind Serve's proxy; more than one shares the semantic cache only
+    with its Redis backend (each replica's memory store is its own)."""
     graceful_shutdown_timeout_s: float = Field(default=900.0, gt=0)
     """How long a replica being stopped or replaced drains its requests: at least
     request_timeout_s, so a downscale never cuts a request still in its time."""

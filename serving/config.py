@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import EngineConfig
 from policies.tiers import Tier
+from serving.cache.config import SemanticCacheConfig
 
 
 class _Strict(BaseModel):
@@ -210,6 +211,8 @@ class RequestLimits(_Strict):
     """Prompts in one text-completion request."""
     max_sequences: int = Field(default=64, ge=1)
     """n x prompts: the sequences one request may start."""
+    max_embedding_inputs: int = Field(default=256, ge=1)
+    """Inputs in one /v1/embeddings request (OpenAI allows 2,048; each is a sequence)."""
     max_stop_strings: int = Field(default=8, ge=0)
     max_stop_chars: int = Field(default=256, ge=1)
     """Length of each stop string."""
@@ -267,6 +270,7 @@ class IngressConfig(_Strict):
     batch_jobs: BatchJobsConfig = BatchJobsConfig()
     small_model: SmallModelConfig | None = None
     """Easy `model: auto` requests of tiers with `difficulty_routing` go to this model."""
+    semantic_cache: SemanticCacheConfig = SemanticCacheConfig()
 
     @model_validator(mode="after")
     def _check_references(self) -> IngressConfig:
@@ -294,6 +298,7 @@ class IngressConfig(_Strict):
         ]
         if self.small_model is not None:
             references.append(("small_model.pool", self.small_model.pool))
+        references.append(("semantic_cache.embedding_pool", self.semantic_cache.embedding_pool))
         for field, name in references:
             if name is not None and name not in pools:
                 raise ValueError(f"{field} {name!r} is not a pool; pools: {pools}")
@@ -323,6 +328,7 @@ class IngressConfig(_Strict):
         references = [
             ("default_tier", self.default_tier),
             ("batch_jobs.tier", self.batch_jobs.tier),
+            *(("semantic_cache.tiers", name) for name in self.semantic_cache.tiers),
             *((f"API key {k.name!r} default_tier", k.default_tier) for k in keys),
         ]
         for field, name in references:
@@ -344,6 +350,15 @@ class IngressConfig(_Strict):
             raise ValueError(f"small_model.pool {name!r} must not be a tier's pool")
         if self.pool(name).model_name == self.model_name:
             raise ValueError(f"the small pool {name!r} must serve a model other than the default")
+
+    @property
+    def embedding_pool(self) -> str:
+        """The pool the semantic cache embeds with (SemanticCacheConfig.embedding_pool)."""
+        if self.semantic_cache.embedding_pool is not None:
+            return self.semantic_cache.embedding_pool
+        if self.small_model is not None:
+            return self.small_model.pool
+        return self.tier(self.default_tier).pool
 
     def tier(self, name: str) -> Tier:
         """The tier called `name`; KeyError naming the tiers there are."""

@@ -4,6 +4,7 @@ deployment tests, and a scripted draft proposer for speculation tests."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +20,8 @@ from serving.pools.pool import ReplicaStats
 TOKEN_DELAY_S = 0.005
 FAIL_MARKER = "<fake-fault>"
 """A prompt containing this makes the fake engine raise a RuntimeError: an unexpected fault."""
+FAKE_EMBEDDING_DIM = 32
+"""Length of the fake engine's embeddings."""
 FAKE_NUM_DRAFTS = 10
 """Drafts a speculating fake reports, each as long as `spec_accepted_per_pos`."""
 
@@ -115,6 +118,24 @@ class FakeEngine:
             self._running.discard(request_id)
             if self.batch_limited:
                 self._batch.release()
+
+    async def embed(
+        self, prompt_token_ids: list[int], request_id: str, urgency: Urgency = DEFAULT_URGENCY
+    ) -> RequestOutput:
+        """Characters counted into FAKE_EMBEDDING_DIM buckets, normalized: texts with the
+        same letters embed alike, which is all a model-free test can ask."""
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt exceeds max_model_len ({self.max_model_len})")
+        await asyncio.sleep(self.token_delay_s)
+        counts = [0.0] * FAKE_EMBEDDING_DIM
+        for token_id in prompt_token_ids:
+            counts[token_id % FAKE_EMBEDDING_DIM] += 1.0
+        norm = math.sqrt(sum(c * c for c in counts)) or 1.0
+        return RequestOutput(
+            request_id=request_id, new_token_ids=[], new_text="", finished=True,
+            finish_reason="stop", num_prompt_tokens=len(prompt_token_ids),
+            embedding=[c / norm for c in counts],
+        )  # fmt: skip
 
     async def _wait_for_slot(self) -> float | None:
         """Seconds waited for a batch slot when batch_limited, else None (no queue)."""

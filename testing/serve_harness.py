@@ -62,6 +62,22 @@ def real_engine_config(batch_dir: Path) -> TierserveConfig:
     )
 
 
+def exact_config(max_model_len: int = 1024, **updates: Any) -> TierserveConfig:
+    """configs/local.yaml on the real model with small exact engines (fp32, unquantized, 64
+    KV blocks, no speculation), without the small pool (no student is distilled in tests),
+    stats polled every 0.1 s, and `updates` applied to the top-level fields."""
+    base = load_config(REPO_ROOT / "configs" / "local.yaml")
+    small = {"dtype": "float32", "num_kv_blocks": 64, "max_model_len": max_model_len,
+             "quant": None, "spec_decode": None}  # fmt: skip
+    pools = tuple(
+        pool.model_copy(update={"engine": replace(pool.engine, **small)})
+        for pool in base.pools
+        if base.small_model is None or pool.name != base.small_model.pool
+    )
+    changes = {"pools": pools, "small_model": None, "stats_poll_interval_s": 0.1, **updates}
+    return base.with_changes(**changes)
+
+
 @contextmanager
 def serving(config: TierserveConfig, engine_cls: EngineFactory | None = None) -> Iterator[str]:
     """The app on the shared cluster (tests/integration/conftest.py holds it), deleted
@@ -121,6 +137,18 @@ def request_logs() -> dict[str, dict[str, Any]]:
                 fields, _ = json.JSONDecoder().raw_decode(line[start:])
                 lines[fields["request_id"].rsplit("-", 1)[-1]] = fields
     return lines
+
+
+def request_replica(request_id: str, timeout_s: float = 10.0) -> str:
+    """The ingress replica whose log holds `request_id`'s line (its log file's name)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for path in _serve_logs_dir().glob("replica_tierserve_Ingress_*.log"):
+            if f'"request_id": "chatcmpl-{request_id}"' in path.read_text(errors="replace"):
+                return path.name
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no log line for {request_id} under {_serve_logs_dir()}")
+        time.sleep(0.2)
 
 
 def _serve_logs_dir() -> Path:

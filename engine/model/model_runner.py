@@ -24,6 +24,7 @@ from engine.model.batch_invariance import make_batch_invariant
 from engine.model.llama import LayerKV, LlamaForCausalLM
 from engine.model.packed_linear import can_pack, pack_linears
 from engine.outputs import RunnerOutput, TokenLogprob
+from engine.pooling import PooledStates
 from engine.quant import kv as kv_quant
 from engine.request import Request
 from engine.sampler import SampleRow, sample, token_logprobs, verify
@@ -46,11 +47,13 @@ class StepBatch:
     """Logits rows of each sampling request: 1, plus one per draft token it verifies."""
     prompt_spans: list[PromptSpan] = field(default_factory=list)
     """Prompt tokens to score for requests that asked for prompt logprobs."""
+    pool_spans: list[PromptSpan] = field(default_factory=list)
+    """Prompt chunks of embedding requests, whose hidden states are pooled."""
 
 
 class PromptSpan(NamedTuple):
-    """Prompt tokens of one request scored this step: the hidden state at packed row
-    `first_row + i` predicts prompt token `first_token + i`."""
+    """Prompt tokens of one request scored (or pooled) this step: the hidden state at packed
+    row `first_row + i` belongs to prompt position `first_token + i` (scoring: predicts it)."""
 
     request: Request
     first_token: int
@@ -79,14 +82,17 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(num_blocks, config.kv_cache_dtype)
         self.grammars: dict[Request, GrammarState] = {}
         """The matcher of each live constrained request (the engine adds and releases)."""
+        self.pooled = PooledStates()
+        """Embedding requests' hidden states summed so far (engine/pooling.py)."""
 
     def constrain(self, request: Request, grammar: GrammarState) -> None:
         """Draw `request`'s tokens among those `grammar` allows, from its first on."""
         self.grammars[request] = grammar
 
     def release(self, request: Request) -> None:
-        """Forget a finished request's matcher (a no-op for an unconstrained one)."""
+        """Forget a finished request's matcher or pooled states (a no-op for others)."""
         self.grammars.pop(request, None)
+        self.pooled.release(request)
 
     def _make_batch_invariant(self, max_rows: int) -> bool:
         """Matmuls at invariant row counts (a step holds at most `max_rows` tokens), every
@@ -111,13 +117,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
-        """One forward pass over the scheduled tokens, then sampling, draft verification and
-        any prompt logprobs asked for."""
+        """One forward pass over the scheduled tokens, then sampling, draft verification,
+        any prompt logprobs asked for, and embedding requests' pooling."""
         batch = self.prepare(scheduled.num_new_tokens)
         hidden = self.forward(batch)
-        out = self.sample(batch, self._logits(hidden[batch.logits_index]), scheduled.drafts)
+        out = RunnerOutput()
+        if batch.sampling_requests:
+            out = self.sample(batch, self._logits(hidden[batch.logits_index]), scheduled.drafts)
         for span in batch.prompt_spans:
             _guarded(span.request, out, self._score_prompt, span, hidden, out)
+        for span in batch.pool_spans:
+            _guarded(span.request, out, _pool, self.pooled, span, hidden, out)
         return out
 
     def prepare(self, num_new_tokens: dict[Request, int]) -> StepBatch:
@@ -130,16 +140,19 @@ class ModelRunner:
         num_rows: list[int] = []
         sampling: list[Request] = []
         prompt_spans: list[PromptSpan] = []
+        pool_spans: list[PromptSpan] = []
         for request, num_new in num_new_tokens.items():
             start = request.num_computed_tokens
             if request.params.prompt_logprobs is not None:
                 prompt_spans += _prompt_span(request, start, num_new, len(input_ids))
+            if request.pooling is not None:
+                pool_spans.append(PromptSpan(request, start, len(input_ids), num_new))
             input_ids.extend(_tokens_with_spec(request, start, start + num_new))
             q_lens.append(num_new)
             kv_lens.append(start + num_new)
             tables.append(request.block_ids)
             end = start + num_new
-            if end >= request.num_tokens:  # caught up: the last real token and any drafts
+            if end >= request.num_tokens and request.pooling is None:  # caught up: sample
                 rows = end - request.num_tokens + 1
                 sampling.append(request)
                 num_rows.append(rows)
@@ -155,6 +168,7 @@ class ModelRunner:
             sampling_requests=sampling,
             num_logits_rows=num_rows,
             prompt_spans=prompt_spans,
+            pool_spans=pool_spans,
         )
 
     @torch.inference_mode()
@@ -273,6 +287,15 @@ def _guarded(request: Request, out: RunnerOutput, work: Callable[..., None], *ar
         log.exception("sampling failed for request %s", request.request_id)
         out.failed[request] = f"sampling failed: {exc!r}"
         out.sampled_token_ids.pop(request, None)
+
+
+def _pool(pooled: PooledStates, span: PromptSpan, hidden: torch.Tensor, out: RunnerOutput) -> None:
+    """Fold an embedding request's chunk into its sum; its vector once the prompt is done."""
+    request = span.request
+    rows = hidden[span.first_row : span.first_row + span.num_tokens]  # [n, hidden]
+    pooled.add(request, span.first_token, rows)
+    if span.first_token + span.num_tokens >= len(request.prompt_token_ids):
+        out.embeddings[request] = pooled.finish(request)
 
 
 def _prompt_span(request: Request, start: int, num_new: int, first_row: int) -> list[PromptSpan]:

@@ -14,6 +14,7 @@ from engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from policies.model_routing import ModelChoice
 from policies.placement import Placement
 from policies.tiers import Tier
+from serving.cache.semantic_cache import Lookup
 from serving.config import CallerPolicy
 from serving.http.openai_api import Endpoint
 from serving.http.schemas.sampling import SamplingFields
@@ -45,6 +46,8 @@ class AcceptedRequest:
     """Which model the request asked for or the router chose, and why."""
     user: str | None
     """The body's `user` (OpenAI's end-user id), for the request log."""
+    cache: Lookup | None = None
+    """What the semantic cache found, when it applies to the request (serving/cache/)."""
 
     @property
     def tpot_target_s(self) -> float | None:

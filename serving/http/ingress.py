@@ -27,8 +27,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from engine.outputs import RequestOutput
 from policies.difficulty import DifficultyModel
 from serving.batch.api import BatchApi
+from serving.cache.replay import replay_response
+from serving.cache.semantic_cache import Lookup
+from serving.cache.wiring import build_cache
 from serving.config import CallerPolicy, IngressConfig
 from serving.http.accepted import AcceptedRequest
+from serving.http.embeddings import EmbeddingsApi
 from serving.http.errors import (
     ApiError,
     bad_request,
@@ -100,6 +104,14 @@ class Ingress:
         self._slo_watch.check()
         self._telemetry.registry.register(self._slo_watch)
         self._slo_watcher = asyncio.create_task(self._slo_watch.watch_forever())
+        self.embeddings = EmbeddingsApi(
+            config, pools, self._planner, self._gateway, self._monitor, self._tokenizer
+        )
+        verify = partial(self.run_batch_line, "/v1/chat/completions")  # false-hit checks
+        self._cache = build_cache(
+            config, self.embeddings, self._tokenizer, self._telemetry.registry, verify
+        )
+        await self._cache.sync()  # a shared store's entries, indexed before traffic
         self._routes = self._route_table(batch_runner)
 
     def _route_table(self, batch_runner: DeploymentHandle | None) -> RouteTable:
@@ -118,6 +130,7 @@ class Ingress:
                 self._telemetry,
             ).routes(),
         }
+        routes.update(self.embeddings.routes())
         if batch_runner is not None:
             batches = BatchApi(
                 batch_runner, config.batch_jobs, self._gateway, config.limits.max_json_depth
@@ -158,6 +171,13 @@ class Ingress:
             accepted = await self._accept(admission, document, endpoint, tier)
         events = self._run(accepted)
         headers = accepted.response_headers(self._config.pool(accepted.pool).model_name)
+        query = self._cache.query(accepted.body, accepted.tier, request.headers)
+        if query is not None:  # the lookup races the generation's first step
+            accepted.cache = Lookup(query, accepted.tier)
+            events = await self._cache.race(accepted.cache, call.request_id, events)
+            headers.update(accepted.cache.headers)
+            if accepted.cache.hit:
+                return self._replay(accepted, headers)
         if not accepted.body.stream:
             return JSONResponse(await self._collect(accepted, events), headers=headers)
         # Wait for the first delta so an engine-side rejection is still a 400, not a broken stream.
@@ -255,8 +275,26 @@ class Ingress:
             finally:
                 for stream in streams:
                     stream.cancel()
-                record = accepted.log_record(status, self._tokenizer, self._config.log_prompts)
-                self._telemetry.observe(record)
+                if (logged := self._settle_cache(accepted, status)) is not None:
+                    record = accepted.log_record(logged, self._tokenizer, self._config.log_prompts)
+                    self._telemetry.observe(record)
+
+    def _settle_cache(self, accepted: AcceptedRequest, status: str) -> str | None:
+        """A finished miss's answer is stored. A hit's cancelled generation writes no log
+        line (None): `_replay` wrote the hit's."""
+        lookup = accepted.cache
+        if lookup is not None and status == "ok":
+            answer = accepted.endpoint.response(accepted.choices).model_dump(mode="json")
+            self._cache.remember(lookup, answer)
+        return None if lookup is not None and lookup.hit else status
+
+    def _replay(self, accepted: AcceptedRequest, headers: dict[str, str]) -> Response:
+        """A hit: the stored answer, its log line, and now and then a false-hit check."""
+        assert accepted.cache is not None
+        self._cache.check(accepted.cache, accepted.body)
+        record = accepted.log_record("cache_hit", self._tokenizer, self._config.log_prompts)
+        self._telemetry.observe(record)
+        return replay_response(accepted, headers)
 
 
 def _end_user(document: dict[str, Any]) -> str | None:

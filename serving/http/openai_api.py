@@ -43,12 +43,14 @@ from serving.http.streaming import SequenceProgress, usage
 from serving.http.tool_calls import CallDelta, ToolCallStream, call_id, parse_tool_calls
 
 
-def parse_body(schema: type[SamplingFields], body: Any) -> SamplingFields:
-    """Validate a JSON body: a field the endpoint does not honour is refused (its table in
+def parse_body(schema: type[BaseModel], body: Any) -> Any:
+    """Validate a JSON body against a schema with `field_rules` (a completion's, the
+    embeddings'): a field the endpoint does not honour is refused (its table in
     serving/http/request_fields.py says why), then the schema checks the rest; either way
     the refusal is one OpenAI-style 400 naming the field."""
     try:
-        return schema.model_validate(served_fields(schema.field_rules, body))
+        rules = schema.field_rules  # type: ignore[attr-defined]
+        return schema.model_validate(served_fields(rules, body))
     except FieldRefused as refusal:
         raise bad_request(str(refusal), refusal.param) from None
     except ValidationError as error:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from typing import Protocol
 
 from policies.difficulty import DifficultyModel, prompt_features
 from policies.model_routing import ModelChoice, ModelRoutes, choose_model
@@ -33,6 +34,12 @@ from serving.http.schemas.sampling import SamplingFields
 from serving.http.streaming import SequenceProgress
 from serving.pools.pool_monitor import PoolMonitor
 from serving.telemetry import Admission, Telemetry
+
+
+class TierField(Protocol):
+    """A body that may name its tier (completions and embeddings)."""
+
+    tier: str | None
 
 
 class Planner:
@@ -147,7 +154,7 @@ class Planner:
         self._telemetry.count_model_decision(tier.name, choice.model, choice.reason)
         return choice
 
-    def tier(self, header: str | None, body: SamplingFields, caller: CallerPolicy) -> Tier:
+    def tier(self, header: str | None, body: TierField, caller: CallerPolicy) -> Tier:
         """The tier asked for (header, body, key default), if it exists and the key may use it."""
         names = [t.name for t in self._config.tiers]
         try:

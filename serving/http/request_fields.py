@@ -177,6 +177,7 @@ _SHARED_FIELDS: FieldRules = {
             "frequency_penalty",
             "logit_bias",
             "tier",
+            "cache",  # false: this request skips the semantic cache (serving/cache/)
             "user",  # written to the request log (serving/telemetry.py)
             # vLLM's sampling extras
             "top_k",

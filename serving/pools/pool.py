@@ -41,6 +41,12 @@ class Engine(Protocol):
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's output deltas; closing the stream aborts the request."""
 
+    async def embed(
+        self, prompt_token_ids: list[int], request_id: str, urgency: Urgency = DEFAULT_URGENCY
+    ) -> RequestOutput:
+        """The prompt's pooled, normalized hidden state (`embedding`), computed as a
+        prefill-only sequence in the engine's batch."""
+
     def abort(self, request_id: str) -> None:
         """Free everything the request holds; unknown ids are ignored."""
 
@@ -66,6 +72,15 @@ class NewSequence:
     batch line), the pool sends the first delta (its time is the TTFT), then the rest as
     one with the last, instead of a message per step per sequence that nobody reads.
     The ingress then sees such a sequence's progress only at its first token and end."""
+
+
+@dataclass(frozen=True)
+class NewEmbedding:
+    """One input to embed: tokenized and checked by the ingress, at its tier's priority."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    priority: int
 
 
 @dataclass(frozen=True)
@@ -187,6 +202,12 @@ class Pool:
             deltas = stream if request.stream else _first_and_last(stream)
             async for output in deltas:
                 yield output
+
+    async def embed(self, request: NewEmbedding) -> RequestOutput:
+        """One input's embedding through the engine's batch (engine/pooling.py); the
+        engine aborts it if this call is cancelled."""
+        urgency = Urgency(request.priority, None)
+        return await self._ready().embed(request.prompt_token_ids, request.request_id, urgency)
 
     def tokenizer(self) -> Any:
         """The tokenizer the ingress counts and encodes prompts with."""

@@ -124,6 +124,8 @@ class SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     tier: str | None = None
     """tierserve's SLA tier; the `X-SLA-Tier` header wins over it."""
+    cache: bool = True
+    """false: neither answered from nor stored in the semantic cache (serving/cache/)."""
     user: str | None = None
     """OpenAI's id of the caller's end user: written to the request log."""
     max_tokens: int | None = Field(default=None, ge=1)
