@@ -58,6 +58,7 @@ from engine.process import configure_process
 from engine.sampling_params import SamplingParams
 from policies.tiers import Tier
 from serving.app_config import TierserveConfig, load_config
+from serving.cache.config import SemanticCacheConfig
 from testing.local_cluster import serving
 from testing.serve_harness import request_logs
 
@@ -313,8 +314,8 @@ def scaled_tiers(config: TierserveConfig, factor: float) -> tuple[Tier, ...]:
 
 
 def shared_config(config: TierserveConfig) -> TierserveConfig:
-    """One pool, one batch size, every tier first come first served; no small model (its
-    pool is not there, and routing to it is one of the levers compared against)."""
+    """One pool, one batch size, every tier first come first served; no small model and no
+    semantic cache (their pools are not there, and both are levers compared against)."""
     base = config.pool("interactive")
     engine = dataclasses.replace(base.engine, max_num_seqs=SHARED_MAX_NUM_SEQS, spec_decode=None)
     pool = base.model_copy(update={"name": "shared", "engine": engine, "max_queued_requests": 4096})
@@ -324,7 +325,9 @@ def shared_config(config: TierserveConfig) -> TierserveConfig:
         )  # fmt: skip
         for t in config.tiers
     )
-    return config.with_changes(pools=(pool,), tiers=tiers, small_model=None)
+    return config.with_changes(
+        pools=(pool,), tiers=tiers, small_model=None, semantic_cache=SemanticCacheConfig()
+    )
 
 
 def machine_factor(config: TierserveConfig) -> float:
