@@ -113,6 +113,12 @@ class EngineConfig:
     """Cap on the running batch: the batch-size dial the pools set."""
     max_num_batched_tokens: int = 512
     """Per-step token budget shared by prefill chunks and decodes."""
+    prefill_step_limit_ms: float | None = None
+    """Prefill chunks are cut so that a step is predicted to end within this (by the fitted
+    step cost), though the first chunk of a step may always take as long as the step's
+    decodes: an urgent request that arrives mid-step waits at most about one such step
+    instead of a whole token budget of prefill (seconds on a CPU). For a throughput pool that
+    urgent work overflows to; None: only the token budget."""
     max_model_len: int | None = None
     """Context limit; None means the model's own."""
     enable_prefix_caching: bool = True
@@ -148,6 +154,12 @@ class EngineConfig:
     spec_decode: SpecDecodeConfig | None = None
     quant: QuantConfig | None = None
 
+    @property
+    def prefill_step_limit_s(self) -> float | None:
+        """`prefill_step_limit_ms` in seconds, as the scheduler reads it."""
+        ms = self.prefill_step_limit_ms
+        return None if ms is None else ms / 1000
+
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             choices = ["auto", *sorted(DTYPES)]
@@ -166,6 +178,8 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}) so every running request can decode"
             )
+        if self.prefill_step_limit_ms is not None and self.prefill_step_limit_ms <= 0:
+            raise ValueError("prefill_step_limit_ms must be > 0 (or null: no limit)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be >= 2")
         if self.cpu_priority not in CPU_PRIORITIES:

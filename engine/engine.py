@@ -60,8 +60,9 @@ class LLMEngine:
         """What a request may ask of this engine (its context, cache and vocabulary)."""
         self.step_cost = StepCostModel()
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.step_cost
-        )
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.step_cost,
+            prefill_step_limit_s=config.prefill_step_limit_s,
+        )  # fmt: skip
         self.runner = ModelRunner(self.model, num_blocks, config)
         self._seed_source = random.Random(config.seed)
         self.speculator = _speculator(config, num_blocks)

@@ -23,6 +23,12 @@ with a target waits. This is what lets an interactive
 request share a pool with a big batch, and a long prompt share a step with
 streams that are decoding.
 
+A pool that urgent work overflows to may also limit every step's prefill in
+time (`prefill_step_limit_s`), target or none, by the same rule: chunks are cut
+to the limit, the step's first chunk never below its decodes' time. A request
+arriving mid-step then waits out a short step rather than a whole token budget
+of prefill.
+
 After the forward pass, `update` is the one place request state advances:
 computed tokens, naming full blocks for the prefix cache, appending sampled
 tokens up to a stop token or the length limit, rolling back rejected draft
@@ -82,12 +88,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         step_cost: StepCostModel | None = None,
+        prefill_step_limit_s: float | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.step_cost = step_cost or StepCostModel()
         """Predicts a step's seconds for time-per-token targets (the engine's live fit)."""
+        self.prefill_step_limit_s = prefill_step_limit_s
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -187,21 +195,30 @@ class Scheduler:
 
     def _budget(self, request: Request, out: SchedulerOutput, targets: _StepTargets) -> int:
         """Tokens `request` may compute this step: what is left of the token budget, cut
-        to what keeps the step within the targets decoding in it (see the module docstring)."""
+        to what keeps the step within the targets decoding in it and, for a prompt, within
+        the prefill step limit (see the module docstring)."""
         budget = self.max_num_batched_tokens - out.total_tokens
         if budget == 0 or request.tpot_target_s is not None and not _is_prefilling(request):
             return budget  # a target's own decode always runs
         if request.tpot_target_s is None and targets.waits_ahead_of(request):
             return 0
-        if targets.limit_s is None:
-            return budget
         step = (len(out.num_new_tokens) + 1, out.total_tokens, out.attended_positions)
         context = request.num_computed_tokens
-        in_time = self.step_cost.tokens_within(targets.limit_s, *step, context)
-        if request.tpot_target_s is None:
-            return min(budget, in_time)
-        floor = max(1, self.step_cost.tokens_in(self.step_cost.step_s(*step), context))
-        return min(budget, max(in_time, floor))
+        if targets.limit_s is not None:
+            in_time = self.step_cost.tokens_within(targets.limit_s, *step, context)
+            floor = 0 if request.tpot_target_s is None else self._floor(step, context)
+            budget = min(budget, max(in_time, floor))
+        if self.prefill_step_limit_s is not None and _is_prefilling(request):
+            in_time = self.step_cost.tokens_within(self.prefill_step_limit_s, *step, context)
+            first_chunk = not any(map(_is_prefilling, out.num_new_tokens))
+            floor = self._floor(step, context) if first_chunk else 0
+            budget = min(budget, max(in_time, floor))
+        return budget
+
+    def _floor(self, step: tuple[int, int, int], context: int) -> int:
+        """The tokens a prompt keeps whatever the limits: as many as the step's other work
+        is predicted to take (at least 1), so a prompt always moves."""
+        return max(1, self.step_cost.tokens_in(self.step_cost.step_s(*step), context))
 
     def _make_room_for_urgent(self, out: SchedulerOutput) -> None:
         """A full batch yields its least urgent member to a strictly higher priority."""

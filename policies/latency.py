@@ -19,7 +19,9 @@ each engine (engine/step_cost.py). Work spreads evenly over replicas.
                   interactive request's first token nothing but its preemption
     step running = a request joins at a step boundary: while the pool works, it first waits
                   out the step in progress, on average half of one (its decodes and
-                  the prompt tokens pending, up to the budget)
+                  the prompt tokens pending, up to the budget); while a sequence with
+                  a target decodes, the engine keeps every step within that target, and
+                  a pool's prefill step limit keeps it within the limit or twice its decodes
     TTFT        = step running + slot wait + prefill
     TPOT        = one decode step at the batch the request will run in; with a
                   target, less urgent sequences join only up to it
@@ -62,6 +64,8 @@ class InFlightSequence:
     """Output tokens it is still expected to produce."""
     prefilled: bool
     """Its first token has arrived: only decoding is left."""
+    tpot_target_s: float | None = None
+    """The time per token the engine keeps it within (None: no target)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,9 @@ class PoolState:
     """What the pool's output costs: the cheaper of two pools that meet an SLO wins."""
     max_request_tokens: int | None = None
     """Prompt + max_tokens above which the pool takes no request (None: no limit)."""
+    prefill_step_limit_s: float | None = None
+    """The engine's limit on a step's prefill (its first chunk may still take as long as
+    the step's decodes; engine/scheduler.py). None: only the token budget."""
 
     @property
     def num_slots(self) -> int:
@@ -129,14 +136,25 @@ def predict(
 def step_in_progress_s(pool: PoolState) -> float:
     """What a request arriving now waits for the step in progress, on average (0 when the
     pool is idle): half a step over the batch in flight and the prompt tokens pending, as
-    far as the budget takes them. A long prefill step on a busy pool is seconds on a CPU."""
+    far as the budget takes them. A long prefill step on a busy pool is seconds on a CPU,
+    unless the pool limits its prefill steps, or a sequence with a time-per-token target is
+    decoding: the engine then keeps each step within the tightest such target (its own
+    decodes are never cut, so never below their step)."""
     if not pool.in_flight:
         return 0.0
     replicas = max(1, pool.num_replicas)
     batch = _batch(pool, len(pool.in_flight))
     pending = sum(s.num_prompt_tokens for s in pool.in_flight if not s.prefilled)
     tokens = min(pool.max_num_batched_tokens, batch + math.ceil(pending / replicas))
-    return 0.5 * pool.cost.step_s(batch, tokens)
+    step_s = pool.cost.step_s(batch, tokens)
+    if pool.prefill_step_limit_s is not None:  # the first chunk may take the decodes' time
+        decodes_s = pool.cost.step_s(batch, batch)
+        step_s = min(step_s, max(pool.prefill_step_limit_s, 2 * decodes_s))
+    targets = [s.tpot_target_s for s in pool.in_flight if s.prefilled and s.tpot_target_s]
+    if targets:
+        own_decodes = _batch(pool, len(targets))
+        step_s = min(step_s, max(min(targets), pool.cost.step_s(own_decodes, own_decodes)))
+    return 0.5 * step_s
 
 
 def drain_s(pool: PoolState, num_sequences: int) -> float:

@@ -249,7 +249,10 @@ class Ingress:
         ]
         status = "aborted"
         sequences = [
-            SentSequence(accepted.tier.priority, len(r.prompt_token_ids), r.params.max_tokens)
+            SentSequence(
+                accepted.tier.priority, len(r.prompt_token_ids), r.params.max_tokens,
+                accepted.tpot_target_s,
+            )  # fmt: skip
             for r in accepted.new_sequences()
         ]
         with self._monitor.track(accepted.pool, sequences):

@@ -53,6 +53,8 @@ class SentSequence:
     priority: int
     num_prompt_tokens: int
     max_tokens: int
+    tpot_target_s: float | None = None
+    """What the engine keeps it within (None: none, as for a downgraded request)."""
     num_output_tokens: int = 0
 
 
@@ -101,6 +103,7 @@ class PoolMonitor:
             max_queued=config.max_queued_requests,
             cost_per_1k_tokens=config.estimated_cost_per_1k_tokens,
             max_request_tokens=config.max_request_tokens,
+            prefill_step_limit_s=config.engine.prefill_step_limit_s,
         )
 
     def states(self) -> dict[str, PoolState]:
@@ -113,8 +116,9 @@ class PoolMonitor:
             left = s.max_tokens - s.num_output_tokens
             expected = min(left, max(1.0, typical - s.num_output_tokens))
             yield InFlightSequence(
-                s.priority, s.num_prompt_tokens, round(expected), s.num_output_tokens > 0
-            )
+                s.priority, s.num_prompt_tokens, round(expected), s.num_output_tokens > 0,
+                s.tpot_target_s,
+            )  # fmt: skip
 
     def _kv_slots(self, pool: str) -> int:
         """Sequences a replica runs at once: max_num_seqs, or fewer where its KV cache holds

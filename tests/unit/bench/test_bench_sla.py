@@ -28,6 +28,7 @@ from bench.serving.bench_sla import (
     protect_streams,
     report,
     timed,
+    ttft_error_share_of_slo,
 )
 from serving.app import build_app
 from serving.app_config import TierserveConfig, load_config
@@ -136,6 +137,19 @@ def test_prediction_errors_are_measured_minus_predicted_per_pool() -> None:
     assert set(errors) == {"interactive", "offline"}
 
 
+def test_ttft_error_is_read_against_each_tiers_slo(configured: TierserveConfig) -> None:
+    tiers = {t.name: t for t in configured.tiers}
+    client = Client(httpx.AsyncClient(), tiers, "m")
+    slo = tiers["interactive"].ttft_ms
+    outcomes = [
+        Outcome("interactive", 200, 0.0, ttft_s=slo / 1000, predicted_ttft_ms=slo * 0.9),
+        Outcome("interactive", 200, 0.0, ttft_s=slo / 1000, predicted_ttft_ms=slo * 1.3),
+        Outcome("interactive", 200, 0.0, ttft_s=slo / 1000, predicted_ttft_ms=slo * 1.05),
+        Outcome("interactive", 429, 0.0),
+    ]
+    assert ttft_error_share_of_slo(client, outcomes) == {"interactive": pytest.approx(0.1)}
+
+
 def test_a_refused_stream_waits_its_retry_after_before_the_next_request() -> None:
     """Against a real ASGI app that refuses every request with Retry-After: 2."""
     arrivals: list[float] = []
@@ -190,14 +204,17 @@ def test_every_phase_reports_from_streamed_requests(
             client = Client(http, {t.name: t for t in configured.tiers}, "m")
             streams = protect_streams(["interactive", "batch"])
             names = ("alone", "no_interactive", "protect", "overload")
-            windows = {name: await timed(client, streams, 0.2) for name in names}
+            windows = {name: await timed(client, streams, 0.3, settle_s=0.1) for name in names}
         rates, cost = {1.0: 1.0, 3.0: 0.5}, {"interactive": 1.0, "offline": 0.5}
         protect = {name: windows[name] for name in names[:3]}
         return {"client": client, "overload": windows["overload"], "protect": protect,
                 "rates": rates, "cost": cost}  # fmt: skip
 
     ours = asyncio.run(run())
-    outcome = ours["overload"].outcomes[0]
+    overload = ours["overload"]
+    assert overload.end_s - overload.start_s == pytest.approx(0.2)  # the settling left out
+    assert overload.outcomes[0].start_s < overload.start_s
+    outcome = overload.outcomes[0]
     assert outcome.num_tokens == 3 and outcome.predicted_tpot_ms == 1.5 and outcome.tpot_s
     report(ours, {**ours, "protect": None}, FACTOR, tmp_path)
     written = (tmp_path / "sla_protect_requests.jsonl").read_text().splitlines()
@@ -210,4 +227,5 @@ def test_every_phase_reports_from_streamed_requests(
         "ratio.output_tokens_per_s.overload.tierserve_vs_shared", "prediction_error_ms.ttft.p50",
         "prediction_error_ms.ttft.p95.offline", "prediction_error_ms.tpot.p50.interactive",
         "goodput.interactive.overload", "goodput.interactive.tierserve_at_shared70",
+        "prediction_error_share_of_slo.ttft.p50.interactive",
     } <= metrics  # fmt: skip

@@ -28,3 +28,10 @@ def test_explicit_dtype_wins_and_unknown_names_are_refused():
 def test_stall_timeout_must_be_positive():
     with pytest.raises(ValueError, match="stall_timeout_s must be > 0"):
         EngineConfig(stall_timeout_s=0)
+
+
+def test_the_prefill_step_limit_is_positive_and_read_in_seconds():
+    assert EngineConfig(prefill_step_limit_ms=250).prefill_step_limit_s == 0.25
+    assert EngineConfig().prefill_step_limit_s is None
+    with pytest.raises(ValueError, match="prefill_step_limit_ms must be > 0"):
+        EngineConfig(prefill_step_limit_ms=0)

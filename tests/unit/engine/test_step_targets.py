@@ -122,3 +122,50 @@ def test_a_chunk_late_in_a_long_prompt_is_cut_shorter_than_an_early_one():
         chunks.append(tokens["document"])
     assert sum(chunks) == 1500
     assert chunks[0] > chunks[len(chunks) // 2] > chunks[-2] > 0
+
+
+def limited(limit_s: float) -> tuple[Scheduler, FakeModel]:
+    """A scheduler with a prefill step limit, and the fitted 10 ms + 1 ms a token cost."""
+    scheduler = with_cost(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=512)
+    scheduler.prefill_step_limit_s = limit_s
+    return scheduler, FakeModel(scheduler)
+
+
+def test_a_prefill_step_limit_cuts_prompts_without_targets_to_it():
+    """The offline pool's long prefill steps: a batch prompt no longer takes the whole token
+    budget in one step, so an urgent arrival waits out a short step; yet it moves."""
+    scheduler, model = limited(0.1)
+    scheduler.add(request("document", 400, priority=2, target_s=None))
+    scheduler.add(request("second", 400, priority=2, target_s=None))
+    tokens = scheduled(model.step())
+    # 10 ms base + 1 sequence = 11 ms, then 1 ms a token: 89 tokens (less the fit's
+    # rounding); no room for "second".
+    assert tokens.keys() == {"document"} and 87 <= tokens["document"] <= 89
+    assert predicted_s(scheduler, tokens) <= 0.1 + 1e-4
+    drain_steps = 0
+    while scheduler.has_unfinished():
+        assert predicted_s(scheduler, scheduled(model.step())) <= 0.1 + 1e-3
+        drain_steps += 1
+    assert drain_steps < 200
+
+
+def test_a_prefill_limit_below_the_decodes_step_still_gives_one_chunk_their_time():
+    scheduler, model = limited(0.005)  # shorter than any step
+    for i in range(4):
+        scheduler.add(request(f"batch{i}", 2, priority=2, target_s=None))
+    while len(scheduled(model.step())) < 4:
+        pass  # one prompt a step (each the step's first chunk) until all four decode
+    scheduler.add(request("document", 400, priority=2, target_s=None))
+    scheduler.add(request("second", 400, priority=2, target_s=None))
+    tokens = scheduled(model.step())
+    # The rest of the step: 10 ms base + 5 sequences + 4 decode tokens = 19 ms: 19 tokens
+    # (less the fit's rounding), and none for "second".
+    assert tokens.keys() == {*(f"batch{i}" for i in range(4)), "document"}
+    assert 17 <= tokens["document"] <= 19
+
+
+def test_without_a_prefill_limit_a_prompt_takes_the_whole_budget():
+    scheduler, model = limited(0.1)
+    scheduler.prefill_step_limit_s = None
+    scheduler.add(request("document", 400, priority=2, target_s=None))
+    assert scheduled(model.step()) == {"document": 400}

@@ -301,3 +301,32 @@ def test_a_request_waits_out_the_step_in_progress_on_a_busy_pool():
     urgent = predict(bulk, priority=0, num_prompt_tokens=100)  # nothing ahead of it but the step
     prefill_s = COST.step_s(2, 1 + 100)  # its prompt, the other's next token riding along
     assert urgent.ttft_s == pytest.approx(step_in_progress_s(bulk) + prefill_s)
+
+
+def test_a_decoding_target_bounds_the_step_a_request_waits_out():
+    """While a sequence with a time-per-token target decodes, the engine keeps every step
+    within that target (engine/scheduler.py), so the step in progress is no longer than it,
+    however much prompt is pending; never shorter than the targeted decodes' own step."""
+    prefilling = [InFlightSequence(2, 2000, 64, prefilled=False)]
+    targeted = [InFlightSequence(1, 100, 50, prefilled=True, tpot_target_s=0.1)]
+    bulk = replace(pool("bulk", prefilling + targeted), max_num_batched_tokens=1024)
+    assert step_in_progress_s(bulk) == pytest.approx(0.5 * 0.1)
+    untargeted = replace(bulk, in_flight=(*prefilling, replace(targeted[0], tpot_target_s=None)))
+    assert step_in_progress_s(untargeted) == pytest.approx(0.5 * COST.step_s(2, 1024))
+    tight = replace(bulk, in_flight=(*prefilling, replace(targeted[0], tpot_target_s=1e-6)))
+    assert step_in_progress_s(tight) == pytest.approx(0.5 * COST.step_s(1, 1))
+    waiting = replace(bulk, in_flight=(*prefilling, replace(targeted[0], prefilled=False)))
+    assert step_in_progress_s(waiting) == pytest.approx(0.5 * COST.step_s(2, 1024))
+
+
+def test_a_prefill_step_limit_bounds_the_step_a_request_waits_out():
+    """The engine cuts prefill to the limit, its first chunk to no less than the decodes'
+    time: the step in progress lasts the limit, or at most twice the decodes."""
+    prefilling = [InFlightSequence(2, 2000, 64, prefilled=False)]
+    bulk = replace(pool("bulk", prefilling + decoding(2, 3)), max_num_batched_tokens=1024)
+    unlimited = step_in_progress_s(bulk)
+    assert step_in_progress_s(replace(bulk, prefill_step_limit_s=0.05)) == pytest.approx(0.025)
+    assert step_in_progress_s(replace(bulk, prefill_step_limit_s=1e-6)) == pytest.approx(
+        COST.step_s(4, 4)
+    )
+    assert step_in_progress_s(replace(bulk, prefill_step_limit_s=100.0)) == unlimited

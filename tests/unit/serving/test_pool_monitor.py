@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.outputs import EngineStats
 from policies.latency import PoolState
 from serving.config import PoolConfig
-from serving.pools.pool_monitor import TYPICAL_OUTPUT_TOKENS, PoolMonitor
+from serving.pools.pool_monitor import TYPICAL_OUTPUT_TOKENS, PoolMonitor, SentSequence
 from testing.fakes import FakeEngine, FakePoolHandle
 
 POLL_INTERVAL_S = 0.05
@@ -72,3 +72,15 @@ def test_placement_sees_as_many_slots_as_the_kv_cache_holds(num_kv_blocks: int) 
     per_sequence = -(-TYPICAL_OUTPUT_TOKENS // config.block_size)
     fitting = num_kv_blocks // per_sequence if num_kv_blocks else config.max_num_seqs
     assert monitor.state("up").max_num_seqs == min(config.max_num_seqs, fitting)
+
+
+def test_sequences_in_flight_carry_their_time_per_token_target() -> None:
+    """Placement reads the targets of the sequences a pool decodes: while one decodes, the
+    engine keeps each step within it (policies.latency.step_in_progress_s)."""
+    monitor = PoolMonitor({"up": POOLS["up"]}, {"up": FakePoolHandle(None)}, POLL_INTERVAL_S)
+    targeted = SentSequence(1, 100, 64, tpot_target_s=0.06, num_output_tokens=3)
+    downgraded = SentSequence(1, 100, 64)
+    with monitor.track("up", [targeted, downgraded]):
+        in_flight = monitor.state("up").in_flight
+    assert [(s.tpot_target_s, s.prefilled) for s in in_flight] == [(0.06, True), (None, False)]
+    assert monitor.state("up").in_flight == ()
