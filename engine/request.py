@@ -67,6 +67,9 @@ class Request:
     arrival_time_s: float = field(default_factory=time.monotonic)
     first_scheduled_time_s: float | None = None
     """When the request first entered the running batch: its queue time ends there."""
+    last_token_time_s: float | None = None
+    """When its newest output token was appended: a decode with a looser target than the
+    step's tightest may wait until it is due (engine/scheduler.py)."""
     token_ids: list[int] = field(init=False)
     """Prompt then output tokens, appended to in place."""
     spec_token_ids: list[int] = field(default_factory=list)
@@ -86,6 +89,7 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         """Add one sampled token (the scheduler's update is the only caller)."""
         self.token_ids.append(token_id)
+        self.last_token_time_s = time.monotonic()
 
     @property
     def queue_time_s(self) -> float | None:

@@ -10,22 +10,26 @@ least urgent running request is preempted: its blocks are freed and it is
 recomputed from scratch later (with luck, from the prefix cache).
 
 Requests may carry a time-per-token target (`Request.tpot_target_s`). Their
-decodes are scheduled first and always run; the rest of the step (prefill
-chunks, decodes without a target) is kept within the tightest target among
-them, predicted by the engine's fitted step cost (which knows that a chunk
-late in a long prompt costs more than an early one: it reads more context).
-A chunk is cut to what fits; a target's own prefill is never cut below the
-tokens predicted to take as long as the rest of the step, so the prompt
-always moves and the streams beside it at most double their time per token,
-even on a machine too slow for the target. Work without a target joins only
+decodes are scheduled first and run whenever they are due: at once for the
+tightest target in the step, and for a looser one once a step more would pass
+it; until then a looser target's decode rides along like work without one.
+The rest of the step (prefill chunks, decodes without a target, looser
+targets not yet due) is kept within the tightest target among them,
+predicted by the engine's fitted step cost (which knows that a chunk late in
+a long prompt costs more than an early one: it reads more context).
+A chunk is cut to what fits; the prefill of a request whose target is as
+tight as the step's is never cut below the tokens predicted to take as long
+as the rest of the step, so the prompt always moves and the streams beside
+it at most double their time per token, even on a machine too slow for the
+target (a looser target's prompt waits for room instead). Work without a target joins only
 as far as the step still fits, and not at all while a more urgent request
 with a target waits. This is what lets an interactive
 request share a pool with a big batch, and a long prompt share a step with
 streams that are decoding.
 
-A pool that urgent work overflows to may also limit every step's prefill in
-time (`prefill_step_limit_s`), target or none, by the same rule: chunks are cut
-to the limit, the step's first chunk never below its decodes' time. A request
+A pool that urgent work overflows to may also limit in time the prefill of
+work without a target (`prefill_step_limit_s`), by the same rule: chunks are
+cut to the limit, the step's first chunk never below its decodes' time. A request
 arriving mid-step then waits out a short step rather than a whole token budget
 of prefill.
 
@@ -83,13 +87,9 @@ class Scheduler:
     """
 
     def __init__(
-        self,
-        kv: KVCacheManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        step_cost: StepCostModel | None = None,
-        prefill_step_limit_s: float | None = None,
-    ) -> None:
+        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+        step_cost: StepCostModel | None = None, prefill_step_limit_s: float | None = None,
+    ) -> None:  # fmt: skip
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -198,27 +198,23 @@ class Scheduler:
         to what keeps the step within the targets decoding in it and, for a prompt, within
         the prefill step limit (see the module docstring)."""
         budget = self.max_num_batched_tokens - out.total_tokens
-        if budget == 0 or request.tpot_target_s is not None and not _is_prefilling(request):
-            return budget  # a target's own decode always runs
+        if budget == 0 or targets.decode_is_due(request):
+            return budget
         if request.tpot_target_s is None and targets.waits_ahead_of(request):
             return 0
         step = (len(out.num_new_tokens) + 1, out.total_tokens, out.attended_positions)
         context = request.num_computed_tokens
         if targets.limit_s is not None:
             in_time = self.step_cost.tokens_within(targets.limit_s, *step, context)
-            floor = 0 if request.tpot_target_s is None else self._floor(step, context)
+            floor = _floor(self.step_cost, step, context) if targets.keeps_floor(request) else 0
             budget = min(budget, max(in_time, floor))
-        if self.prefill_step_limit_s is not None and _is_prefilling(request):
+        limited = request.tpot_target_s is None and _is_prefilling(request)
+        if self.prefill_step_limit_s is not None and limited:
             in_time = self.step_cost.tokens_within(self.prefill_step_limit_s, *step, context)
             first_chunk = not any(map(_is_prefilling, out.num_new_tokens))
-            floor = self._floor(step, context) if first_chunk else 0
+            floor = _floor(self.step_cost, step, context) if first_chunk else 0
             budget = min(budget, max(in_time, floor))
         return budget
-
-    def _floor(self, step: tuple[int, int, int], context: int) -> int:
-        """The tokens a prompt keeps whatever the limits: as many as the step's other work
-        is predicted to take (at least 1), so a prompt always moves."""
-        return max(1, self.step_cost.tokens_in(self.step_cost.step_s(*step), context))
 
     def _make_room_for_urgent(self, out: SchedulerOutput) -> None:
         """A full batch yields its least urgent member to a strictly higher priority."""
@@ -305,9 +301,34 @@ class _StepTargets:
         queued = [r.priority for r in waiting if r.tpot_target_s is not None]
         return cls(min(decoding, default=None), min(queued, default=None))
 
+    def decode_is_due(self, request: Request) -> bool:
+        """`request` decodes with a target this step whatever else the step holds: its target
+        is the tightest, or one more step at the tightest would pass it."""
+        target_s = request.tpot_target_s
+        if target_s is None or _is_prefilling(request):
+            return False
+        if self.limit_s is None or target_s <= self.limit_s or request.last_token_time_s is None:
+            return True
+        return time.monotonic() - request.last_token_time_s + self.limit_s >= target_s
+
+    def keeps_floor(self, request: Request) -> bool:
+        """`request`'s prompt moves even past the step's target: it has a target of its own,
+        as tight as the tightest decoding (a looser one's prompt waits for room instead of
+        doubling the tighter streams' time per token)."""
+        target_s = request.tpot_target_s
+        if target_s is None or not _is_prefilling(request):
+            return False
+        return self.limit_s is None or target_s <= self.limit_s
+
     def waits_ahead_of(self, request: Request) -> bool:
         """A more urgent request with a target is waiting: it takes this step's room."""
         return self.waiting_priority is not None and self.waiting_priority < request.priority
+
+
+def _floor(step_cost: StepCostModel, step: tuple[int, int, int], context: int) -> int:
+    """The tokens a prompt keeps whatever the limits: as many as the step's other work is
+    predicted to take (at least 1), so a prompt always moves."""
+    return max(1, step_cost.tokens_in(step_cost.step_s(*step), context))
 
 
 def _append(request: Request, token_ids: list[int]) -> tuple[list[int], str | None]:

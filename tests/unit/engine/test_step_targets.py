@@ -169,3 +169,49 @@ def test_without_a_prefill_limit_a_prompt_takes_the_whole_budget():
     scheduler.prefill_step_limit_s = None
     scheduler.add(request("document", 400, priority=2, target_s=None))
     assert scheduled(model.step()) == {"document": 400}
+
+
+def test_a_looser_target_gives_way_to_the_tightest_until_its_own_is_due():
+    """An interactive request overflowed beside standard ones: the standard decodes (a
+    looser target) leave the steps that would overrun the interactive target, and come back
+    once a step more would pass their own."""
+    scheduler = with_cost(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64)
+    model = FakeModel(scheduler)
+    chat = request("chat", 2, priority=0, target_s=0.013)  # alone: 10 + 1 + 1 = 12 ms
+    standard = request("standard", 2, priority=1, target_s=1.0)
+    scheduler.add(chat)
+    scheduler.add(standard)
+    model.step()
+    model.step()  # both prefilled and decoding
+    assert scheduled(model.step()) == {"chat": 1}  # the two together: 14 ms
+    assert standard.last_token_time_s is not None
+    standard.last_token_time_s -= 0.995  # one more 13 ms step would pass its second
+    assert scheduled(model.step()) == {"chat": 1, "standard": 1}
+    assert scheduled(model.step()) == {"chat": 1}
+
+
+def test_the_prefill_step_limit_leaves_prompts_with_a_target_to_their_target():
+    """An urgent prompt is the work the limit makes room for: it is not held to it."""
+    scheduler, model = limited(0.02)
+    scheduler.add(request("chat", 300, priority=0, target_s=0.05))
+    assert scheduled(model.step()) == {"chat": 300}
+
+
+def test_a_looser_targets_prompt_takes_only_the_room_the_tightest_target_leaves():
+    """A standard prompt beside an overflowed interactive stream: it fills what is left of
+    the stream's target, and waits when nothing is, instead of doubling the stream's step
+    (a prompt as tight as the step's target keeps that floor)."""
+    scheduler = with_cost(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=512)
+    model = FakeModel(scheduler)
+    chat = request("chat", 2, priority=0, target_s=0.05)
+    scheduler.add(chat)
+    model.step()
+    scheduler.add(request("standard", 400, priority=1, target_s=1.0))
+    roomy = scheduled(model.step())
+    assert 0 < roomy["standard"] < 400 and predicted_s(scheduler, roomy) <= 0.05 + 1e-3
+    chat.tpot_target_s = 0.0135  # its decode alone (12 ms) leaves no room for a token
+    tight = scheduled(model.step())
+    assert tight == {"chat": 1}
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    scheduler.add(Request("chat2", list(range(1000, 1030)), params, 0, 0.0135))  # no prefix
+    assert scheduled(model.step())["chat2"] >= 12  # as tight: its floor, the decode's time

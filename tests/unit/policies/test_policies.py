@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from policies.rate_limit import RateLimiter, RequestTooLarge
-from policies.tiers import Tier, meets_slo, resolve_tier
+from policies.tiers import TPOT_HEADROOM, Tier, meets_slo, resolve_tier
 
 INTERACTIVE = Tier(name="interactive", ttft_ms=400, tpot_ms=25, pool="fast")
 STANDARD = Tier(
@@ -77,3 +77,13 @@ def test_keys_are_limited_separately_and_none_means_unlimited() -> None:
     assert limiter.acquire("a", 1, 1, 0.0, 1, None) is None
     assert limiter.acquire("b", 1, 1, 0.0, 1, None) is None
     assert all(limiter.acquire("c", 16, 10**6, 0.0, None, None) is None for _ in range(100))
+
+
+def test_the_engine_is_asked_for_the_tpot_with_headroom_and_batch_for_none():
+    """A step kept within its target by prediction lands over it as often as under: the
+    engine's target is TPOT_HEADROOM of the tier's, so what the client measures meets it."""
+    interactive = Tier(name="interactive", ttft_ms=400, tpot_ms=25, pool="p", on_slo_miss="protect")
+    batch = Tier(name="batch", ttft_ms=60_000, tpot_ms=500, pool="p", on_slo_miss="queue")
+    assert interactive.tpot_target_s == pytest.approx(TPOT_HEADROOM * 0.025)
+    assert 0.8 <= TPOT_HEADROOM < 1.0
+    assert batch.tpot_target_s is None
