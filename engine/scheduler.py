@@ -204,16 +204,15 @@ class Scheduler:
             return 0
         step = (len(out.num_new_tokens) + 1, out.total_tokens, out.attended_positions)
         context = request.num_computed_tokens
+        cost = self.step_cost
         if targets.limit_s is not None:
-            in_time = self.step_cost.tokens_within(targets.limit_s, *step, context)
-            floor = _floor(self.step_cost, step, context) if targets.keeps_floor(request) else 0
-            budget = min(budget, max(in_time, floor))
+            keeps_floor = targets.keeps_floor(request)
+            budget = min(budget, _tokens_within(cost, targets.limit_s, step, context, keeps_floor))
         limited = request.tpot_target_s is None and _is_prefilling(request)
         if self.prefill_step_limit_s is not None and limited:
-            in_time = self.step_cost.tokens_within(self.prefill_step_limit_s, *step, context)
             first_chunk = not any(map(_is_prefilling, out.num_new_tokens))
-            floor = _floor(self.step_cost, step, context) if first_chunk else 0
-            budget = min(budget, max(in_time, floor))
+            limit_s = self.prefill_step_limit_s
+            budget = min(budget, _tokens_within(cost, limit_s, step, context, first_chunk))
         return budget
 
     def _make_room_for_urgent(self, out: SchedulerOutput) -> None:
@@ -325,10 +324,16 @@ class _StepTargets:
         return self.waiting_priority is not None and self.waiting_priority < request.priority
 
 
-def _floor(step_cost: StepCostModel, step: tuple[int, int, int], context: int) -> int:
-    """The tokens a prompt keeps whatever the limits: as many as the step's other work is
-    predicted to take (at least 1), so a prompt always moves."""
-    return max(1, step_cost.tokens_in(step_cost.step_s(*step), context))
+def _tokens_within(
+    step_cost: StepCostModel, limit_s: float, step: tuple[int, int, int], context: int,
+    keeps_floor: bool,
+) -> int:  # fmt: skip
+    """Prompt tokens that keep `step` predicted within `limit_s`; with `keeps_floor`, never
+    fewer than the step's other work is predicted to take (at least 1), so a prompt moves."""
+    in_time = step_cost.tokens_within(limit_s, *step, context)
+    if not keeps_floor:
+        return in_time
+    return max(in_time, 1, step_cost.tokens_in(step_cost.step_s(*step), context))
 
 
 def _append(request: Request, token_ids: list[int]) -> tuple[list[int], str | None]:
