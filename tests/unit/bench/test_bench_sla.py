@@ -18,18 +18,12 @@ from bench.serving.bench_sla import (
     PROTECT_MIX,
     QUICK,
     SHARED_MAX_NUM_SEQS,
-    Client,
-    Outcome,
-    Window,
-    closed_loop,
     deployments,
     parse_args,
-    prediction_errors,
     protect_streams,
-    report,
-    timed,
-    ttft_error_share_of_slo,
 )
+from bench.serving.sla_client import Client, Outcome, Window, closed_loop, timed
+from bench.serving.sla_report import prediction_errors, report, ttft_error_share_of_slo
 from serving.app import build_app
 from serving.app_config import TierserveConfig, load_config
 from serving.http.planner import model_routes
