@@ -112,14 +112,6 @@ class LLMEngine:
             self.runner.constrain(request, grammar)
         self.scheduler.add(request)
 
-    def reset_counters(self) -> None:
-        """Forget what `stats()` has counted (start-up calibration leaves no trace there)."""
-        self.counters.reset()
-        self.kv.num_queries = self.kv.num_hits = 0
-        self.scheduler.num_preemptions = 0
-        if self.speculator is not None:
-            self.speculator.reset_counters()
-
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; None if it is not live."""
         tracked = self.requests.get(request_id)
@@ -139,15 +131,14 @@ class LLMEngine:
         if not scheduled.num_new_tokens:
             return []
         result = self._execute(scheduled)
-        self._record(scheduled, result)
         kept = self.scheduler.update(scheduled, result)
         outputs = [self._emit(request, token_ids, result) for request, token_ids in kept.items()]
         self.counters.count_generated(sum(len(o.new_token_ids) for o in outputs))
         return outputs
 
     def _execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
-        """Run the step and time it for the cost model; a failed forward pass fails every
-        request of the step (nothing it computed is kept)."""
+        """Run the step and learn from it; a failed forward pass fails every request of the
+        step (nothing it computed is kept)."""
         start_s = time.perf_counter()
         try:
             result = self.runner.execute(scheduled)
@@ -155,19 +146,19 @@ class LLMEngine:
             log.exception("forward pass failed")
             error = f"forward pass failed: {exc!r}"
             return RunnerOutput(failed=dict.fromkeys(scheduled.num_new_tokens, error))
-        seconds = time.perf_counter() - start_s
+        self._record(scheduled, result, time.perf_counter() - start_s)
+        return result
+
+    def _record(self, scheduled: SchedulerOutput, result: RunnerOutput, seconds: float) -> None:
+        """What the step leaves outside the scheduler: its time for the cost model and the
+        speculator, the speculator's acceptance counts, and the prompt scores of requests
+        that asked for them (kept until their first output)."""
         self.step_cost.observe(
             len(scheduled.num_new_tokens), scheduled.total_tokens, seconds,
             scheduled.attended_positions,
         )  # fmt: skip
         if self.speculator is not None:
             self.speculator.observe_step(scheduled.num_new_tokens, scheduled.drafts, seconds)
-        return result
-
-    def _record(self, scheduled: SchedulerOutput, result: RunnerOutput) -> None:
-        """What the step leaves outside the scheduler: the speculator's counts, and the
-        prompt scores of requests that asked for them (kept until their first output)."""
-        if self.speculator is not None:
             self.speculator.record(scheduled.drafts, result)
         for request, (first, scores) in result.prompt_logprobs.items():
             self.requests[request.request_id].prompt_logprobs.update(enumerate(scores, first))
@@ -190,7 +181,7 @@ class LLMEngine:
         tracked = self.requests[request.request_id]
         self.scheduler.finish(request, reason)
         self._release(request)
-        return tracked.output([], None, "", reason, error)
+        return tracked.output([], None, "", reason, error=error)
 
     def _emit(self, request: Request, token_ids: list[int], result: RunnerOutput) -> RequestOutput:
         """The request's delta; a failure here (detokenizing, stop strings) fails it alone."""
@@ -214,8 +205,8 @@ class LLMEngine:
         if reason is not None:
             self._release(request)
         logprobs = result.logprobs.get(request)
-        output = tracked.output(token_ids, logprobs and logprobs[: len(token_ids)], text, reason)
-        return dataclasses.replace(output, embedding=result.embeddings.get(request))
+        logprobs = logprobs and logprobs[: len(token_ids)]
+        return tracked.output(token_ids, logprobs, text, reason, result.embeddings.get(request))
 
     def _release(self, request: Request) -> None:
         """Forget a finished request everywhere outside the scheduler."""
@@ -273,7 +264,11 @@ def _calibrate_step_cost(engine: LLMEngine) -> None:
             engine.add_request(f"calibrate-{num_seqs}-{prompt_len}-{i}", prompt, params)
         while engine.has_unfinished():
             engine.step()
-    engine.reset_counters()
+    engine.counters.reset()
+    engine.kv.num_queries = engine.kv.num_hits = 0
+    engine.scheduler.num_preemptions = 0
+    if engine.speculator is not None:
+        engine.speculator.reset_counters()
 
 
 def _grammar_state(grammars: GrammarCompiler, params: SamplingParams) -> GrammarState | None:

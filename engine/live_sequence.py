@@ -55,9 +55,11 @@ class LiveSequence:
         logprobs: list[TokenLogprob] | None,
         text: str,
         reason: str | None,
+        embedding: list[float] | None = None,
         error: str | None = None,
     ) -> RequestOutput:
-        """The delta a step (or an abort or failure) gives the request's stream."""
+        """The delta a step (or an abort or failure) gives the request's stream; an embedding
+        request's last carries its embedding."""
         request = self.request
         return RequestOutput(
             request_id=request.request_id,
@@ -72,6 +74,7 @@ class LiveSequence:
             num_cached_tokens=request.num_cached_tokens,
             queue_time_s=request.queue_time_s,
             first_token_times=_first_token_times(request, token_ids),
+            embedding=embedding,
             error=error,
         )
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -118,7 +119,9 @@ class Scheduler:
             proposal = drafts.get(request)
             request.spec_token_ids = list(proposal.token_ids) if proposal is not None else []
         self._make_room_for_urgent(out)
-        targets = _StepTargets.of(self.running, self.waiting)
+        targets = _StepTargets.of(
+            self.running, self.waiting, self.step_cost, self.prefill_step_limit_s
+        )
         # Decodes first: they cost one token (1 + k with drafts) each, and a long
         # prefill taking the whole budget must not stall everyone's next token.
         # Requests with a time-per-token target go before those without.
@@ -195,25 +198,13 @@ class Scheduler:
 
     def _budget(self, request: Request, out: SchedulerOutput, targets: _StepTargets) -> int:
         """Tokens `request` may compute this step: what is left of the token budget, cut
-        to what keeps the step within the targets decoding in it and, for a prompt, within
-        the prefill step limit (see the module docstring)."""
+        to what keeps the step within its time limits (see the module docstring)."""
         budget = self.max_num_batched_tokens - out.total_tokens
         if budget == 0 or targets.decode_is_due(request):
             return budget
         if request.tpot_target_s is None and targets.waits_ahead_of(request):
             return 0
-        step = (len(out.num_new_tokens) + 1, out.total_tokens, out.attended_positions)
-        context = request.num_computed_tokens
-        cost = self.step_cost
-        if targets.limit_s is not None:
-            keeps_floor = targets.keeps_floor(request)
-            budget = min(budget, _tokens_within(cost, targets.limit_s, step, context, keeps_floor))
-        limited = request.tpot_target_s is None and _is_prefilling(request)
-        if self.prefill_step_limit_s is not None and limited:
-            first_chunk = not any(map(_is_prefilling, out.num_new_tokens))
-            limit_s = self.prefill_step_limit_s
-            budget = min(budget, _tokens_within(cost, limit_s, step, context, first_chunk))
-        return budget
+        return min(budget, targets.tokens_in_time(request, out))
 
     def _make_room_for_urgent(self, out: SchedulerOutput) -> None:
         """A full batch yields its least urgent member to a strictly higher priority."""
@@ -286,19 +277,28 @@ class Scheduler:
 
 @dataclass(frozen=True)
 class _StepTargets:
-    """The time-per-token targets one step must respect, read once per `schedule`."""
+    """The time limits one step must respect, read once per `schedule`: the tightest
+    time-per-token target decoding, and the prefill step limit."""
 
     limit_s: float | None
     """The tightest target among the running requests that decode (None: none)."""
     waiting_priority: int | None
     """The most urgent priority among waiting requests with a target (None: none)."""
+    step_cost: StepCostModel
+    prefill_step_limit_s: float | None
 
     @classmethod
-    def of(cls, running: list[Request], waiting: list[Request]) -> _StepTargets:
+    def of(
+        cls, running: list[Request], waiting: list[Request], step_cost: StepCostModel,
+        prefill_step_limit_s: float | None,
+    ) -> _StepTargets:  # fmt: skip
         """The targets of this step's running and waiting requests."""
         decoding = [r.tpot_target_s for r in running if r.tpot_target_s and not _is_prefilling(r)]
         queued = [r.priority for r in waiting if r.tpot_target_s is not None]
-        return cls(min(decoding, default=None), min(queued, default=None))
+        return cls(
+            min(decoding, default=None), min(queued, default=None), step_cost,
+            prefill_step_limit_s,
+        )  # fmt: skip
 
     def decode_is_due(self, request: Request) -> bool:
         """`request` decodes with a target this step whatever else the step holds: its target
@@ -323,17 +323,31 @@ class _StepTargets:
         """A more urgent request with a target is waiting: it takes this step's room."""
         return self.waiting_priority is not None and self.waiting_priority < request.priority
 
+    def tokens_in_time(self, request: Request, out: SchedulerOutput) -> int:
+        """Tokens `request` may add to the step and keep it predicted within the tightest
+        target decoding and, for a prompt without a target, within the prefill step limit;
+        the step's first prefill chunk never below the step's decodes' time."""
+        step = (len(out.num_new_tokens) + 1, out.total_tokens, out.attended_positions)
+        context = request.num_computed_tokens
+        allowed = sys.maxsize
+        if self.limit_s is not None:
+            allowed = self._within(self.limit_s, step, context, self.keeps_floor(request))
+        limited = request.tpot_target_s is None and _is_prefilling(request)
+        if self.prefill_step_limit_s is not None and limited:
+            first_chunk = not any(map(_is_prefilling, out.num_new_tokens))
+            in_limit = self._within(self.prefill_step_limit_s, step, context, first_chunk)
+            allowed = min(allowed, in_limit)
+        return allowed
 
-def _tokens_within(
-    step_cost: StepCostModel, limit_s: float, step: tuple[int, int, int], context: int,
-    keeps_floor: bool,
-) -> int:  # fmt: skip
-    """Prompt tokens that keep `step` predicted within `limit_s`; with `keeps_floor`, never
-    fewer than the step's other work is predicted to take (at least 1), so a prompt moves."""
-    in_time = step_cost.tokens_within(limit_s, *step, context)
-    if not keeps_floor:
-        return in_time
-    return max(in_time, 1, step_cost.tokens_in(step_cost.step_s(*step), context))
+    def _within(
+        self, limit_s: float, step: tuple[int, int, int], context: int, keeps_floor: bool
+    ) -> int:
+        """Prompt tokens that keep `step` predicted within `limit_s`; with `keeps_floor`, never
+        fewer than the step's other work is predicted to take (at least 1), so a prompt moves."""
+        in_time = self.step_cost.tokens_within(limit_s, *step, context)
+        if not keeps_floor:
+            return in_time
+        return max(in_time, 1, self.step_cost.tokens_in(self.step_cost.step_s(*step), context))
 
 
 def _append(request: Request, token_ids: list[int]) -> tuple[list[int], str | None]:

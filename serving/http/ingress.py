@@ -1,7 +1,8 @@
 """The ingress deployment: OpenAI HTTP API in, a pool chosen per request, tokens out as SSE.
 
 Thin glue: who may call is the gateway's, which pool is the planner's (over
-policies/), the OpenAI shapes are openai_api's, the SSE framing sse's, models,
+policies/), running the accepted request on its pool and logging it answers',
+the OpenAI shapes are openai_api's, the SSE framing sse's, models,
 health and metrics service_routes' and telemetry's. Every answer is
 OpenAI-format JSON (or, once a stream has begun, an SSE error event then
 `[DONE]`): refusals carry their status, and anything unexpected is a 500 with
@@ -14,31 +15,25 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any, cast
 
 from ray import serve
-from ray.exceptions import RayActorError, RayTaskError
-from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine.outputs import RequestOutput
 from policies.difficulty import DifficultyModel
 from serving.batch.api import BatchApi
-from serving.cache.replay import replay_response
 from serving.cache.semantic_cache import Lookup
 from serving.cache.wiring import build_cache
 from serving.config import CallerPolicy, IngressConfig
 from serving.http.accepted import AcceptedRequest
+from serving.http.answers import Answers
 from serving.http.embeddings import EmbeddingsApi
 from serving.http.errors import (
     ApiError,
-    bad_request,
-    deadline_exceeded,
     internal_error,
-    replica_unavailable,
 )
 from serving.http.gateway import Gateway
 from serving.http.limits import check_limits
@@ -52,9 +47,8 @@ from serving.http.request_body import read_json_object
 from serving.http.routes import Call, Route, RouteTable
 from serving.http.service_routes import ServiceRoutes
 from serving.http.sse import prepend, sse_stream
-from serving.http.streaming import merge_streams
 from serving.pools.calls import first_answer
-from serving.pools.pool_monitor import PoolMonitor, SentSequence
+from serving.pools.pool_monitor import PoolMonitor
 from serving.pools.slo_watch import SloWatch
 from serving.telemetry import Admission, Telemetry
 
@@ -82,15 +76,7 @@ class Ingress:
     ) -> None:
         self._config = config
         self._pools = pools
-        # Pools of one family share a tokenizer; routing needs the token count first. The
-        # default model's pools have it from the start (a small pool may still be waiting).
-        self._tokenizer = await first_answer(
-            [
-                cast(DeploymentResponse, h.tokenizer.remote())
-                for name, h in pools.items()
-                if config.pool(name).model_name == config.model_name
-            ]
-        )
+        self._tokenizer = await _default_model_tokenizer(config, pools)
         pool_configs = {p.name: p for p in config.pools}
         self._gateway = Gateway(config.gateway)
         self._monitor = PoolMonitor(pool_configs, pools, config.stats_poll_interval_s)
@@ -112,6 +98,9 @@ class Ingress:
             config, self.embeddings, self._tokenizer, self._telemetry.registry, verify
         )
         await self._cache.sync()  # a shared store's entries, indexed before traffic
+        self._answers = Answers(
+            pools, self._monitor, self._telemetry, self._cache, self._tokenizer, config.log_prompts
+        )
         self._routes = self._route_table(batch_runner)
 
     def _route_table(self, batch_runner: DeploymentHandle | None) -> RouteTable:
@@ -169,7 +158,7 @@ class Ingress:
             document = await read_json_object(request, limits.max_body_bytes, limits.max_json_depth)
             tier = request.headers.get("x-sla-tier")
             accepted = await self._accept(admission, document, endpoint, tier)
-        events = self._run(accepted)
+        events = self._answers.stream(accepted)
         headers = accepted.response_headers(self._config.pool(accepted.pool).model_name)
         query = self._cache.query(accepted.body, accepted.tier, request.headers)
         if query is not None:  # the lookup races the generation's first step
@@ -177,9 +166,9 @@ class Ingress:
             events = await self._cache.race(accepted.cache, call.request_id, events)
             headers.update(accepted.cache.headers)
             if accepted.cache.hit:
-                return self._replay(accepted, headers)
+                return self._answers.replay(accepted, headers)
         if not accepted.body.stream:
-            return JSONResponse(await self._collect(accepted, events), headers=headers)
+            return JSONResponse(await self._answers.collect(accepted, events), headers=headers)
         # Wait for the first delta so an engine-side rejection is still a 400, not a broken stream.
         first = await anext(events)
         stream = sse_stream(accepted, prepend(first, events))
@@ -198,7 +187,7 @@ class Ingress:
             with self._telemetry.refusals(admission):
                 tier = self._config.batch_jobs.tier
                 accepted = await self._accept(admission, document, ENDPOINTS[url], tier)
-            return 200, await self._collect(accepted, self._run(accepted))
+            return 200, await self._answers.collect(accepted, self._answers.stream(accepted))
         except ApiError as error:
             refusal = error
         except Exception:
@@ -230,82 +219,22 @@ class Ingress:
         self._telemetry.count_admitted(tier.name, accepted.placement)
         return accepted
 
-    async def _collect(
-        self, accepted: AcceptedRequest, events: AsyncIterator[tuple[int, RequestOutput]]
-    ) -> dict[str, Any]:
-        """A non-streamed answer: every delta gathered, then the whole response."""
-        async for _ in events:
-            pass
-        return accepted.endpoint.response(accepted.choices).model_dump(mode="json")
 
-    async def _run(self, accepted: AcceptedRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Every choice's deltas as they arrive; leaving early (the client left, the deadline
-        passed, a replica died) cancels them in the pool, which frees their KV blocks."""
-        handle = self._pools[accepted.pool].generate.options(stream=True)
-        # With stream=True every call answers a generator; the stub can't tell.
-        streams = [
-            cast(DeploymentResponseGenerator, handle.remote(new_sequence))
-            for new_sequence in accepted.new_sequences()
+async def _default_model_tokenizer(
+    config: IngressConfig, pools: dict[str, DeploymentHandle]
+) -> Any:
+    """Pools of one family share a tokenizer; routing needs the token count first. The
+    default model's pools have it from the start (a small pool may still be loading)."""
+    return await first_answer(
+        [
+            cast(DeploymentResponse, handle.tokenizer.remote())
+            for name, handle in pools.items()
+            if config.pool(name).model_name == config.model_name
         ]
-        status = "aborted"
-        sequences = [
-            SentSequence(
-                accepted.tier.priority, len(r.prompt_token_ids), r.params.max_tokens,
-                accepted.tpot_target_s,
-            )  # fmt: skip
-            for r in accepted.new_sequences()
-        ]
-        with self._monitor.track(accepted.pool, sequences):
-            try:
-                async for index, output in merge_streams(streams, accepted.deadline_s):
-                    accepted.choices[index].add(output, time.monotonic())
-                    sequences[index].num_output_tokens = output.num_output_tokens
-                    yield index, output
-                status = "ok"
-            except TimeoutError:
-                status = "timeout"
-                raise deadline_exceeded(accepted.time_limit_s) from None
-            except ValueError as error:  # the engine refused the input
-                status = "error"
-                raise bad_request(str(_cause(error))) from None
-            except RayActorError as error:  # the replica died (Serve starts another)
-                status = "error"
-                log.warning("request %s lost its replica: %s", accepted.request_id, error)
-                raise replica_unavailable() from None
-            except Exception:
-                status = "error"
-                raise
-            finally:
-                for stream in streams:
-                    stream.cancel()
-                if (logged := self._settle_cache(accepted, status)) is not None:
-                    record = accepted.log_record(logged, self._tokenizer, self._config.log_prompts)
-                    self._telemetry.observe(record)
-
-    def _settle_cache(self, accepted: AcceptedRequest, status: str) -> str | None:
-        """A finished miss's answer is stored. A hit's cancelled generation writes no log
-        line (None): `_replay` wrote the hit's."""
-        lookup = accepted.cache
-        if lookup is not None and status == "ok":
-            answer = accepted.endpoint.response(accepted.choices).model_dump(mode="json")
-            self._cache.remember(lookup, answer)
-        return None if lookup is not None and lookup.hit else status
-
-    def _replay(self, accepted: AcceptedRequest, headers: dict[str, str]) -> Response:
-        """A hit: the stored answer, its log line, and now and then a false-hit check."""
-        assert accepted.cache is not None
-        self._cache.check(accepted.cache, accepted.body)
-        record = accepted.log_record("cache_hit", self._tokenizer, self._config.log_prompts)
-        self._telemetry.observe(record)
-        return replay_response(accepted, headers)
+    )
 
 
 def _end_user(document: dict[str, Any]) -> str | None:
     """The body's `user` (OpenAI's id of the caller's end user) when it is a string."""
     user = document.get("user")
     return user[:MAX_USER_CHARS] if isinstance(user, str) else None
-
-
-def _cause(error: BaseException) -> BaseException:
-    """The replica's own exception inside Ray's wrapper, whose text is a whole traceback."""
-    return error.cause if isinstance(error, RayTaskError) and error.cause else error
