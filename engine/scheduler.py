@@ -17,15 +17,17 @@ The rest of the step (prefill chunks, decodes without a target, looser
 targets not yet due) is kept within the tightest target among them,
 predicted by the engine's fitted step cost (which knows that a chunk late in
 a long prompt costs more than an early one: it reads more context).
-A chunk is cut to what fits; the prefill of a request whose target is as
-tight as the step's is never cut below the tokens predicted to take as long
-as the rest of the step, so the prompt always moves and the streams beside
-it at most double their time per token, even on a machine too slow for the
-target (a looser target's prompt waits for room instead). Work without a target joins only
-as far as the step still fits, and not at all while a more urgent request
-with a target waits. This is what lets an interactive
-request share a pool with a big batch, and a long prompt share a step with
-streams that are decoding.
+A chunk is cut to what fits. Prompts with a target go one at a time, the most
+urgent first (`_first_prompt`): the first is never cut below the tokens
+predicted to take as long as the rest of the step when its target is as tight
+as the step's, so it always moves and the streams beside it at most double
+their time per token, even on a machine too slow for the target; the others
+take only the room left, and none while nothing with a target decodes, so a
+burst of urgent prompts gets its first tokens one prompt apart rather than
+all after every prompt. Work without a target joins only as far as the step
+still fits, and not at all while a more urgent request with a target waits.
+This is what lets an interactive request share a pool with a big batch, and a
+long prompt share a step with streams that are decoding.
 
 A pool that urgent work overflows to may also limit in time the prefill of
 work without a target (`prefill_step_limit_s`), by the same rule: chunks are
@@ -284,6 +286,9 @@ class _StepTargets:
     """The tightest target among the running requests that decode (None: none)."""
     waiting_priority: int | None
     """The most urgent priority among waiting requests with a target (None: none)."""
+    first_prompt: Request | None
+    """The prompt with a target that goes first (`_first_prompt`): only it may take more
+    than the room the step has left."""
     step_cost: StepCostModel
     prefill_step_limit_s: float | None
 
@@ -296,8 +301,8 @@ class _StepTargets:
         decoding = [r.tpot_target_s for r in running if r.tpot_target_s and not _is_prefilling(r)]
         queued = [r.priority for r in waiting if r.tpot_target_s is not None]
         return cls(
-            min(decoding, default=None), min(queued, default=None), step_cost,
-            prefill_step_limit_s,
+            min(decoding, default=None), min(queued, default=None),
+            _first_prompt(running, waiting), step_cost, prefill_step_limit_s,
         )  # fmt: skip
 
     def decode_is_due(self, request: Request) -> bool:
@@ -311,11 +316,12 @@ class _StepTargets:
         return time.monotonic() - request.last_token_time_s + self.limit_s >= target_s
 
     def keeps_floor(self, request: Request) -> bool:
-        """`request`'s prompt moves even past the step's target: it has a target of its own,
-        as tight as the tightest decoding (a looser one's prompt waits for room instead of
-        doubling the tighter streams' time per token)."""
+        """`request`'s prompt moves even past the step's target: it is the first prompt, with
+        a target as tight as the tightest decoding (a looser one's prompt waits for room
+        instead of doubling the tighter streams' time per token, and a second prompt waits
+        its turn instead of doubling the step again)."""
         target_s = request.tpot_target_s
-        if target_s is None or not _is_prefilling(request):
+        if request is not self.first_prompt or target_s is None:
             return False
         return self.limit_s is None or target_s <= self.limit_s
 
@@ -326,12 +332,16 @@ class _StepTargets:
     def tokens_in_time(self, request: Request, out: SchedulerOutput) -> int:
         """Tokens `request` may add to the step and keep it predicted within the tightest
         target decoding and, for a prompt without a target, within the prefill step limit;
-        the step's first prefill chunk never below the step's decodes' time."""
+        the step's first prefill chunk never below the step's decodes' time. Prompts with a
+        target go one at a time while nothing with a target decodes: each first token
+        comes after one prompt's prefill, not after all of them."""
         step = (len(out.num_new_tokens) + 1, out.total_tokens, out.attended_positions)
         context = request.num_computed_tokens
         allowed = sys.maxsize
         if self.limit_s is not None:
             allowed = self._within(self.limit_s, step, context, self.keeps_floor(request))
+        elif _is_prefilling(request) and request.tpot_target_s is not None:
+            allowed = sys.maxsize if request is self.first_prompt else 0
         limited = request.tpot_target_s is None and _is_prefilling(request)
         if self.prefill_step_limit_s is not None and limited:
             first_chunk = not any(map(_is_prefilling, out.num_new_tokens))
@@ -348,6 +358,18 @@ class _StepTargets:
         if not keeps_floor:
             return in_time
         return max(in_time, 1, self.step_cost.tokens_in(self.step_cost.step_s(*step), context))
+
+
+def _first_prompt(running: list[Request], waiting: list[Request]) -> Request | None:
+    """The most urgent prompt with a target already prefilling; the head of the queue
+    instead when it has a target and is strictly more urgent (it is admitted this step,
+    preempting for room, so the one it passes cannot starve behind it)."""
+    prefilling = [r for r in running if r.tpot_target_s is not None and _is_prefilling(r)]
+    first = min(prefilling, key=lambda r: r.sort_key, default=None)
+    head = waiting[0] if waiting else None
+    if head is None or head.tpot_target_s is None:
+        return first
+    return head if first is None or head.priority < first.priority else first
 
 
 def _append(request: Request, token_ids: list[int]) -> tuple[list[int], str | None]:

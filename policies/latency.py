@@ -11,8 +11,10 @@ each engine (engine/step_cost.py). Work spreads evenly over replicas.
 
     slot wait   = the sequences ahead take the slots in order, each for its
                   remaining tokens at TPOT; the wait ends when the next one frees
-    prefill     = steps to compute the prompts ahead and this one, each a step with
-                  the decodes riding along and a chunk of the budget for prefill;
+    prefill     = steps to compute the prompts ahead and this one, one after another,
+                  each a step with the decodes riding along and a chunk of the budget
+                  for prefill (while a sequence with a target decodes, of what the
+                  target leaves, never less than the decodes' own time);
                   with a target, the first step holds the less urgent decodes out
                   (the engine runs no work without a target while a more urgent
                   request with one waits), so a full batch of batch work costs an
@@ -127,7 +129,7 @@ def predict(
     wait_s = _slot_wait_s(pool, ahead, tpot_s)
     prefill_tokens = num_prompt_tokens + sum(s.num_prompt_tokens for s in ahead if not s.prefilled)
     tokens_per_replica = math.ceil(prefill_tokens / max(1, pool.num_replicas))
-    prefill_s = _prefill_s(pool, tokens_per_replica, first_batch, batch)
+    prefill_s = _prefill_s(pool, tokens_per_replica, first_batch, batch, _decoding_target_s(pool))
     mask_s = pool.cost.per_constrained_row_s if constrained else 0.0
     ttft_s = step_in_progress_s(pool) + wait_s + prefill_s + mask_s
     return Prediction(ttft_s=ttft_s, tpot_s=tpot_s + mask_s, num_ahead=len(ahead))
@@ -150,11 +152,19 @@ def step_in_progress_s(pool: PoolState) -> float:
     if pool.prefill_step_limit_s is not None:  # the first chunk may take the decodes' time
         decodes_s = pool.cost.step_s(batch, batch)
         step_s = min(step_s, max(pool.prefill_step_limit_s, 2 * decodes_s))
-    targets = [s.tpot_target_s for s in pool.in_flight if s.prefilled and s.tpot_target_s]
-    if targets:
-        own_decodes = _batch(pool, len(targets))
-        step_s = min(step_s, max(min(targets), pool.cost.step_s(own_decodes, own_decodes)))
+    limit_s = _decoding_target_s(pool)
+    if limit_s is not None:
+        targeted = sum(1 for s in pool.in_flight if s.prefilled and s.tpot_target_s)
+        own_decodes = _batch(pool, targeted)
+        step_s = min(step_s, max(limit_s, pool.cost.step_s(own_decodes, own_decodes)))
     return 0.5 * step_s
+
+
+def _decoding_target_s(pool: PoolState) -> float | None:
+    """The tightest time-per-token target among the pool's decoding sequences: the engine
+    keeps every step within it (None: no sequence with a target decodes)."""
+    targets = [s.tpot_target_s for s in pool.in_flight if s.prefilled and s.tpot_target_s]
+    return min(targets, default=None)
 
 
 def drain_s(pool: PoolState, num_sequences: int) -> float:
@@ -186,20 +196,36 @@ def _slot_wait_s(pool: PoolState, ahead: Sequence[InFlightSequence], tpot_s: flo
     return finish_s[0]
 
 
-def _prefill_s(pool: PoolState, num_tokens: int, first_batch: int, batch: int) -> float:
+def _prefill_s(
+    pool: PoolState, num_tokens: int, first_batch: int, batch: int, limit_s: float | None
+) -> float:
     """Steps to compute `num_tokens` prompt tokens on one replica: the first step beside
-    `first_batch - 1` decodes, the later ones beside `batch - 1`."""
-    first_chunk = min(num_tokens, max(1, pool.max_num_batched_tokens - (first_batch - 1)))
+    `first_batch - 1` decodes, the later ones beside `batch - 1`; each chunk within the
+    token budget and, while a sequence with a target decodes, within `limit_s`."""
+    first_chunk = min(num_tokens, _chunk(pool, first_batch - 1, limit_s))
     first_s = pool.cost.step_s(first_batch, first_batch - 1 + first_chunk)
     rest = num_tokens - first_chunk
     if rest <= 0:
         return first_s
     num_decodes = batch - 1
-    chunk = max(1, pool.max_num_batched_tokens - num_decodes)
+    chunk = _chunk(pool, num_decodes, limit_s)
     num_steps = math.ceil(rest / chunk)
     last_chunk = rest - (num_steps - 1) * chunk
     full = pool.cost.step_s(batch, num_decodes + chunk)
     return first_s + (num_steps - 1) * full + pool.cost.step_s(batch, num_decodes + last_chunk)
+
+
+def _chunk(pool: PoolState, num_decodes: int, limit_s: float | None) -> int:
+    """Prompt tokens of one step beside `num_decodes` decodes: what the budget leaves, and
+    under a time-per-token limit what the limit leaves, never less than the decodes' own
+    time (the engine's floor for the first prompt: engine/scheduler.py)."""
+    chunk = max(1, pool.max_num_batched_tokens - num_decodes)
+    cost = pool.cost
+    if limit_s is None or cost.per_token_s <= 0:
+        return chunk
+    decodes_s = cost.step_s(num_decodes + 1, num_decodes)
+    room_s = max(limit_s, 2 * decodes_s) - decodes_s
+    return max(1, min(chunk, int(room_s / cost.per_token_s)))
 
 
 def _mean_remaining(sequences: Sequence[InFlightSequence]) -> float:

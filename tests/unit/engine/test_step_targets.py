@@ -179,10 +179,10 @@ def test_a_looser_target_gives_way_to_the_tightest_until_its_own_is_due():
     model = FakeModel(scheduler)
     chat = request("chat", 2, priority=0, target_s=0.013)  # alone: 10 + 1 + 1 = 12 ms
     standard = request("standard", 2, priority=1, target_s=1.0)
-    scheduler.add(chat)
     scheduler.add(standard)
-    model.step()
-    model.step()  # both prefilled and decoding
+    model.step()  # standard prefilled: it decodes from now on
+    scheduler.add(chat)
+    model.step()  # chat's prompt beside standard's decode
     assert scheduled(model.step()) == {"chat": 1}  # the two together: 14 ms
     assert standard.last_token_time_s is not None
     standard.last_token_time_s -= 0.995  # one more 13 ms step would pass its second
@@ -215,3 +215,30 @@ def test_a_looser_targets_prompt_takes_only_the_room_the_tightest_target_leaves(
     params = SamplingParams(max_tokens=50, ignore_eos=True)
     scheduler.add(Request("chat2", list(range(1000, 1030)), params, 0, 0.0135))  # no prefix
     assert scheduled(model.step())["chat2"] >= 12  # as tight: its floor, the decode's time
+
+
+def test_prompts_with_a_target_arriving_together_are_prefilled_one_at_a_time():
+    """A burst of interactive prompts overflowed to a pool with nothing decoding: the first
+    token of the first comes after its own prompt, not after all of them (one step of the
+    whole budget would give every one of them the slowest first token)."""
+    scheduler = with_cost(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=512)
+    model = FakeModel(scheduler)
+    for i in range(3):
+        scheduler.add(request(f"chat{i}", 100, priority=0, target_s=0.5))
+    assert scheduled(model.step()) == {"chat0": 100}
+    assert "chat1" in scheduled(model.step())
+
+
+def test_only_the_first_prompt_keeps_the_floor():
+    """Two prompts as tight as the stream decoding beside them: the first may take as long as
+    the decode, the second only what the target leaves; it does not double the step again."""
+    scheduler = with_cost(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=512)
+    model = FakeModel(scheduler)
+    chat = request("chat", 2, priority=0, target_s=0.0135)
+    scheduler.add(chat)
+    model.step()  # chat decodes; its step alone (12 ms) leaves no room at its target
+    for i in range(2):
+        scheduler.add(request(f"next{i}", 100, priority=0, target_s=0.0135))
+    tokens = scheduled(model.step())
+    assert tokens.get("next0", 0) >= 12 and "next1" not in tokens
+    assert predicted_s(scheduler, tokens) <= 2 * predicted_s(scheduler, {"chat": 1}) + 2e-3

@@ -330,3 +330,19 @@ def test_a_prefill_step_limit_bounds_the_step_a_request_waits_out():
         COST.step_s(4, 4)
     )
     assert step_in_progress_s(replace(bulk, prefill_step_limit_s=100.0)) == unlimited
+
+
+def test_a_decoding_target_cuts_a_prompt_into_chunks_within_it():
+    """Beside a stream decoding at a time-per-token target, the engine prefills a prompt in
+    chunks that keep each step within the target: a prompt that one step of the budget
+    computes takes several, and the prediction counts each step's decodes again."""
+    targeted = [InFlightSequence(0, 100, 50, prefilled=True, tpot_target_s=0.03)]
+    free = pool("fast", decoding(0, 1))
+    held = pool("fast", targeted)
+    prompt = 200  # one step of the 256-token budget alone: 0.010 + 0.002 + 0.1005 s
+    free_ttft = predict(free, 0, prompt).ttft_s - step_in_progress_s(free)
+    assert free_ttft == pytest.approx(COST.step_s(2, 1 + prompt))
+    held_ttft = predict(held, 0, prompt).ttft_s - step_in_progress_s(held)
+    chunk = int((0.03 - COST.step_s(2, 1)) / COST.per_token_s)  # 35 tokens a step
+    steps = -(-prompt // chunk)
+    assert held_ttft == pytest.approx(COST.step_s(2, 1) * steps + COST.per_token_s * prompt)
