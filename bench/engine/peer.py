@@ -11,6 +11,7 @@ latency means the same thing on either side.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -28,6 +29,15 @@ PEER_SCRIPT = Path(__file__).with_name("peer_vllm.py")
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_USE_AOT_COMPILE": "0"}
 """2 GiB of KV cache (as tierserve's benchmarks give theirs); AOT compilation fails here
 (ENVIRONMENT.md)."""
+
+
+def peer_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The command line every benchmark against vLLM-cpu shares: --quick, and --vllm-python
+    (without it only tierserve is measured); a benchmark adds its own options."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--vllm-python", type=Path, help="python of a venv holding vllm-cpu")
+    return parser
 
 
 @dataclass(frozen=True)

