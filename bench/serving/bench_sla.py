@@ -223,14 +223,19 @@ async def run_deployment(
 
 def add_server_timings(outcomes: Sequence[Outcome]) -> None:
     """Each admitted request's first token as the ingress and the engine saw it (their log
-    lines), beside the client's: where a late first token waited."""
+    lines), beside the client's: where a late first token waited; each refused request's
+    reason and the prediction it was refused on."""
     time.sleep(1.0)  # the last lines reach the files a moment late
     lines = request_logs()
     for outcome in outcomes:
         fields = lines.get(outcome.request_id or "")
-        if fields is not None:
-            outcome.server_ttft_ms = fields.get("ttft_ms")
-            outcome.ttft_hops_ms = fields.get("ttft_hops_ms")
+        if fields is None:
+            continue
+        outcome.server_ttft_ms = fields.get("ttft_ms")
+        outcome.ttft_hops_ms = fields.get("ttft_hops_ms")
+        if fields.get("status") == "refused":
+            outcome.refusal_reason = fields.get("reason")
+            outcome.predicted_ttft_ms = fields.get("predicted_ttft_ms")
 
 
 async def pool_costs(http: httpx.AsyncClient) -> dict[str, float]:

@@ -52,6 +52,9 @@ class Outcome:
     ttft_hops_ms: dict[str, float] | None = None
     """From the ingress's log line: its first token, hop by hop (handle, engine inbox,
     engine queue, steps, the ways back)."""
+    refusal_reason: str | None = None
+    """From the ingress's log line of a refused request: why (e.g. `shed_slo`), with the
+    prediction placement refused it on in `predicted_ttft_ms`."""
 
     def tokens_within(self, start_s: float, end_s: float) -> float:
         """Output tokens streamed between the two times, taken as evenly spread between the
@@ -98,13 +101,13 @@ class Client:
             "POST", "/v1/chat/completions", json=body, headers=headers
         ) as r:
             outcome.status = r.status_code
+            outcome.request_id = r.headers.get("x-tierserve-request-id")
             if r.status_code != 200:
                 outcome.batch_running_at_refusal = self.batch_running
                 outcome.retry_after_s = _header_float(r.headers, "retry-after")
                 await r.aread()
                 return
             outcome.pool = r.headers.get("x-tierserve-pool")
-            outcome.request_id = r.headers.get("x-tierserve-request-id")
             outcome.predicted_ttft_ms = _header_float(r.headers, "x-tierserve-predicted-ttft-ms")
             outcome.predicted_tpot_ms = _header_float(r.headers, "x-tierserve-predicted-tpot-ms")
             await _read_stream(r, outcome)

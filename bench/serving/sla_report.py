@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,9 @@ def _report_overload(ours: dict[str, Any], shared: dict[str, Any], extra: dict) 
         emit(BENCH, f"goodput.{tier}.overload.shared",
              goodput(shared["client"], shared_outcomes, tier), "share", **extra)  # fmt: skip
     refused = [o for o in outcomes if o.tier == "interactive" and o.status == 429]
-    emit(BENCH, "shed.interactive_while_batch_running",
-         sum(o.batch_running_at_refusal > 0 for o in refused), "requests", **extra)  # fmt: skip
+    reasons = Counter(o.refusal_reason for o in refused if o.batch_running_at_refusal > 0)
+    emit(BENCH, "shed.interactive_while_batch_running", sum(reasons.values()), "requests",
+         reasons=dict(reasons), **extra)  # fmt: skip
     ours_tok_s, shared_tok_s = ours["overload"].tokens_per_s(), shared["overload"].tokens_per_s()
     emit(BENCH, "ratio.output_tokens_per_s.overload.tierserve_vs_shared",
          ours_tok_s / max(shared_tok_s, 1e-9), "x", tierserve=round(ours_tok_s, 1),
