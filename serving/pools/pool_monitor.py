@@ -26,9 +26,11 @@ from serving.pools.pool import ReplicaStats
 
 log = logging.getLogger(__name__)
 
-STALE_AFTER_POLLS = 3
-"""A replica not heard from in this many poll periods is counted as gone."""
-POLL_TIMEOUT_POLLS = STALE_AFTER_POLLS
+STALE_AFTER_POLLS = 10
+"""A replica not heard from in this many poll periods is counted as gone. Not fewer: on a
+machine whose cores are all busy a live replica's answer can miss a few periods (at 3, a
+pool with one replica was refused with 503s while a test process took the other core)."""
+POLL_TIMEOUT_POLLS = 3
 """A stats call unanswered after this many poll periods is cancelled: a pool with no
 live replica (its node lost) would otherwise hold every later poll of every pool."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 
 import pytest
 
@@ -13,7 +14,12 @@ from engine.config import EngineConfig
 from engine.outputs import EngineStats
 from policies.latency import PoolState
 from serving.config import PoolConfig
-from serving.pools.pool_monitor import TYPICAL_OUTPUT_TOKENS, PoolMonitor, SentSequence
+from serving.pools.pool_monitor import (
+    STALE_AFTER_POLLS,
+    TYPICAL_OUTPUT_TOKENS,
+    PoolMonitor,
+    SentSequence,
+)
 from testing.fakes import FakeEngine, FakePoolHandle
 
 POLL_INTERVAL_S = 0.05
@@ -49,6 +55,19 @@ def test_a_pool_without_replicas_does_not_hold_the_poll_of_the_others() -> None:
     # Each unanswered call was given up and cancelled, not left to pile up in Serve.
     assert len(down.calls) >= 2 and all(call.cancelled() for call in down.calls)
     assert len(up.calls) > len(down.calls)
+
+
+def test_a_replica_that_misses_a_few_polls_is_still_live(monkeypatch) -> None:
+    """A busy machine can starve a replica's answers for a few periods: it still serves
+    (counted out, its pool would be refused with 503s); only a long silence counts it gone."""
+    handle = FakePoolHandle(FakeEngine(EngineConfig()))
+    monitor = PoolMonitor({"up": POOLS["up"]}, {"up": handle}, poll_interval_s=1.0)
+    asyncio.run(monitor.poll_once())
+    polled_s = time.monotonic()
+    monkeypatch.setattr(time, "monotonic", lambda: polled_s + 3.5)  # 3.5 periods of silence
+    assert monitor.state("up").num_replicas == 1
+    monkeypatch.setattr(time, "monotonic", lambda: polled_s + STALE_AFTER_POLLS + 0.5)
+    assert monitor.state("up").num_replicas == 0
 
 
 class CacheBoundEngine(FakeEngine):
