@@ -13,8 +13,9 @@ each engine (engine/step_cost.py). Work spreads evenly over replicas.
                   remaining tokens at TPOT; the wait ends when the next one frees
     prefill     = steps to compute the prompts ahead and this one, one after another,
                   each a step with the decodes riding along and a chunk of the budget
-                  for prefill (while a sequence with a target decodes, of what the
-                  target leaves, never less than the decodes' own time);
+                  for prefill (while a sequence with a target is in flight, of what
+                  the tightest target leaves; for a prompt as tight, never less than
+                  the decodes' own time);
                   with a target, the first step holds the less urgent decodes out
                   (the engine runs no work without a target while a more urgent
                   request with one waits), so a full batch of batch work costs an
@@ -129,7 +130,8 @@ def predict(
     wait_s = _slot_wait_s(pool, ahead, tpot_s)
     prefill_tokens = num_prompt_tokens + sum(s.num_prompt_tokens for s in ahead if not s.prefilled)
     tokens_per_replica = math.ceil(prefill_tokens / max(1, pool.num_replicas))
-    prefill_s = _prefill_s(pool, tokens_per_replica, first_batch, batch, _decoding_target_s(pool))
+    limit = _prefill_limit(pool, tpot_target_s)
+    prefill_s = _prefill_s(pool, tokens_per_replica, first_batch, batch, limit)
     mask_s = pool.cost.per_constrained_row_s if constrained else 0.0
     ttft_s = step_in_progress_s(pool) + wait_s + prefill_s + mask_s
     return Prediction(ttft_s=ttft_s, tpot_s=tpot_s + mask_s, num_ahead=len(ahead))
@@ -158,6 +160,27 @@ def step_in_progress_s(pool: PoolState) -> float:
         own_decodes = _batch(pool, targeted)
         step_s = min(step_s, max(limit_s, pool.cost.step_s(own_decodes, own_decodes)))
     return 0.5 * step_s
+
+
+@dataclass(frozen=True)
+class _PrefillLimit:
+    """What the engine holds a new prompt's steps to (engine/scheduler.py)."""
+
+    limit_s: float
+    """The tightest time-per-token target in flight: decoding now, or soon."""
+    keeps_floor: bool
+    """The prompt's own target is as tight: its chunk may take as long as the decodes."""
+
+
+def _prefill_limit(pool: PoolState, tpot_target_s: float | None) -> _PrefillLimit | None:
+    """The limit a new prompt with `tpot_target_s` is prefilled under: the tightest target
+    of the sequences in flight, prefilled or not (those still prefilling decode within a
+    few steps, and the prompts behind them meet their target then). None: no target."""
+    targets = [s.tpot_target_s for s in pool.in_flight if s.tpot_target_s]
+    if not targets:
+        return None
+    limit_s = min(targets)
+    return _PrefillLimit(limit_s, tpot_target_s is not None and tpot_target_s <= limit_s)
 
 
 def _decoding_target_s(pool: PoolState) -> float | None:
@@ -197,35 +220,35 @@ def _slot_wait_s(pool: PoolState, ahead: Sequence[InFlightSequence], tpot_s: flo
 
 
 def _prefill_s(
-    pool: PoolState, num_tokens: int, first_batch: int, batch: int, limit_s: float | None
+    pool: PoolState, num_tokens: int, first_batch: int, batch: int, limit: _PrefillLimit | None
 ) -> float:
     """Steps to compute `num_tokens` prompt tokens on one replica: the first step beside
     `first_batch - 1` decodes, the later ones beside `batch - 1`; each chunk within the
-    token budget and, while a sequence with a target decodes, within `limit_s`."""
-    first_chunk = min(num_tokens, _chunk(pool, first_batch - 1, limit_s))
+    token budget and within `limit`."""
+    first_chunk = min(num_tokens, _chunk(pool, first_batch - 1, limit))
     first_s = pool.cost.step_s(first_batch, first_batch - 1 + first_chunk)
     rest = num_tokens - first_chunk
     if rest <= 0:
         return first_s
     num_decodes = batch - 1
-    chunk = _chunk(pool, num_decodes, limit_s)
+    chunk = _chunk(pool, num_decodes, limit)
     num_steps = math.ceil(rest / chunk)
     last_chunk = rest - (num_steps - 1) * chunk
     full = pool.cost.step_s(batch, num_decodes + chunk)
     return first_s + (num_steps - 1) * full + pool.cost.step_s(batch, num_decodes + last_chunk)
 
 
-def _chunk(pool: PoolState, num_decodes: int, limit_s: float | None) -> int:
+def _chunk(pool: PoolState, num_decodes: int, limit: _PrefillLimit | None) -> int:
     """Prompt tokens of one step beside `num_decodes` decodes: what the budget leaves, and
-    under a time-per-token limit what the limit leaves, never less than the decodes' own
-    time (the engine's floor for the first prompt: engine/scheduler.py)."""
+    under a time-per-token limit what the limit leaves; with the floor, never less than
+    the decodes' own time (engine/scheduler.py), and always at least one token."""
     chunk = max(1, pool.max_num_batched_tokens - num_decodes)
     cost = pool.cost
-    if limit_s is None or cost.per_token_s <= 0:
+    if limit is None or cost.per_token_s <= 0:
         return chunk
     decodes_s = cost.step_s(num_decodes + 1, num_decodes)
-    room_s = max(limit_s, 2 * decodes_s) - decodes_s
-    return max(1, min(chunk, int(room_s / cost.per_token_s)))
+    step_s = max(limit.limit_s, 2 * decodes_s) if limit.keeps_floor else limit.limit_s
+    return max(1, min(chunk, int((step_s - decodes_s) / cost.per_token_s)))
 
 
 def _mean_remaining(sequences: Sequence[InFlightSequence]) -> float:

@@ -346,3 +346,16 @@ def test_a_decoding_target_cuts_a_prompt_into_chunks_within_it():
     chunk = int((0.03 - COST.step_s(2, 1)) / COST.per_token_s)  # 35 tokens a step
     steps = -(-prompt // chunk)
     assert held_ttft == pytest.approx(COST.step_s(2, 1) * steps + COST.per_token_s * prompt)
+
+
+def test_a_prompt_behind_a_tighter_target_in_flight_gets_only_the_room_it_leaves():
+    """An interactive sequence still prefilling decodes within a few steps, at its target:
+    a standard prompt (a looser target) behind it is predicted in the chunks that target
+    leaves, without the floor an as-tight prompt keeps."""
+    urgent = InFlightSequence(0, 10, 50, prefilled=False, tpot_target_s=0.02)
+    held = pool("fast", [urgent])
+    free = pool("fast", [replace(urgent, tpot_target_s=None)])
+    standard = predict(held, 1, 200, tpot_target_s=0.5).ttft_s
+    assert standard > predict(free, 1, 200, tpot_target_s=0.5).ttft_s
+    as_tight = predict(held, 0, 200, tpot_target_s=0.02).ttft_s
+    assert as_tight < standard  # the floor: a chunk as long as the decodes, whatever the target
