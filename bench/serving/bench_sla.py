@@ -251,13 +251,17 @@ async def pool_costs(http: httpx.AsyncClient) -> dict[str, float]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line: --quick, --config, --out."""
+    """The command line: --quick, --config, --out, --slo-scale."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--config", type=Path, default=Path("configs/local.yaml"))
     parser.add_argument("--out", type=Path, default=Path("load_results"))
+    parser.add_argument(
+        "--slo-scale", type=float, help="scale the SLOs by this instead of the measured factor "
+        "(runs compared one after another then hold the same SLOs)",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -266,8 +270,8 @@ def main() -> None:
     args = parse_args()
     plan = QUICK if args.quick else FULL
     config = load_config(args.config)
-    factor = machine_factor(config)
-    log(f"SLOs scaled by {factor:.2f} (batch-1 decode step / {REFERENCE_TPOT_MS} ms)")
+    factor = args.slo_scale or machine_factor(config)
+    log(f"SLOs scaled by {factor:.2f} (batch-1 decode step / {REFERENCE_TPOT_MS} ms, or as given)")
     results = {
         name: asyncio.run(run_deployment(name, deployment, plan, name == "tierserve"))
         for name, deployment in deployments(config, factor).items()

@@ -47,6 +47,8 @@ def test_arguments_default_to_the_local_config_and_the_full_plan() -> None:
     quick = parse_args(["--quick", "--out", "results"])
     assert quick.quick and quick.out == Path("results")
     assert QUICK.concurrency < FULL.concurrency
+    assert args.slo_scale is None  # measured on the machine unless pinned
+    assert parse_args(["--slo-scale", "5"]).slo_scale == 5.0
 
 
 @pytest.mark.parametrize("name", ["tierserve", "shared pool"])
