@@ -20,11 +20,11 @@ a long prompt costs more than an early one: it reads more context).
 A chunk is cut to what fits. Prompts with a target go one at a time, the most
 urgent first (`_first_prompt`): the first is never cut below the tokens
 predicted to take as long as the rest of the step when its target is as tight
-as the step's, so it always moves and the streams beside it at most double
-their time per token, even on a machine too slow for the target; the others
-take only the room left, and none while nothing with a target decodes, so a
-burst of urgent prompts gets its first tokens one prompt apart rather than
-all after every prompt. Work without a target joins only as far as the step
+as the step's (half as long when it is looser), so it always moves and the
+streams beside it at most double their time per token (or add half), even on
+a machine too slow for the target; the others take only the room left, and
+none while nothing with a target decodes, so a burst of urgent prompts gets
+its first tokens one prompt apart rather than all after every prompt. Work without a target joins only as far as the step
 still fits, and not at all while a more urgent request with a target waits.
 This is what lets an interactive request share a pool with a big batch, and a
 long prompt share a step with streams that are decoding.
@@ -59,6 +59,11 @@ from engine.step_cost import StepCostModel
 
 if TYPE_CHECKING:
     from engine.spec_decode import Proposal
+
+LOOSER_FLOOR_SHARE = 0.5
+"""The first prompt with a looser target than the tightest decoding may lengthen a step by
+this share of its other work: the tighter streams' time per token rises by at most half
+while it prefills, and it is never starved (engine/scheduler.py's module docstring)."""
 
 
 @dataclass
@@ -315,15 +320,18 @@ class _StepTargets:
             return True
         return time.monotonic() - request.last_token_time_s + self.limit_s >= target_s
 
-    def keeps_floor(self, request: Request) -> bool:
-        """`request`'s prompt moves even past the step's target: it is the first prompt, with
-        a target as tight as the tightest decoding (a looser one's prompt waits for room
-        instead of doubling the tighter streams' time per token, and a second prompt waits
-        its turn instead of doubling the step again)."""
+    def floor_share(self, request: Request) -> float:
+        """How long `request`'s prompt chunk may take past the step's target, as a share of
+        the rest of the step: the whole of it for the first prompt with a target as tight as
+        the tightest decoding, LOOSER_FLOOR_SHARE for a first prompt with a looser target
+        (it moves, at a third of the step, instead of starving on a pool too slow for the
+        tightest target), none for a second prompt (it waits its turn instead of doubling
+        the step again)."""
         target_s = request.tpot_target_s
         if request is not self.first_prompt or target_s is None:
-            return False
-        return self.limit_s is None or target_s <= self.limit_s
+            return 0.0
+        as_tight = self.limit_s is None or target_s <= self.limit_s
+        return 1.0 if as_tight else LOOSER_FLOOR_SHARE
 
     def waits_ahead_of(self, request: Request) -> bool:
         """A more urgent request with a target is waiting: it takes this step's room."""
@@ -339,25 +347,27 @@ class _StepTargets:
         context = request.num_computed_tokens
         allowed = sys.maxsize
         if self.limit_s is not None:
-            allowed = self._within(self.limit_s, step, context, self.keeps_floor(request))
+            allowed = self._within(self.limit_s, step, context, self.floor_share(request))
         elif _is_prefilling(request) and request.tpot_target_s is not None:
             allowed = sys.maxsize if request is self.first_prompt else 0
         limited = request.tpot_target_s is None and _is_prefilling(request)
         if self.prefill_step_limit_s is not None and limited:
             first_chunk = not any(map(_is_prefilling, out.num_new_tokens))
-            in_limit = self._within(self.prefill_step_limit_s, step, context, first_chunk)
+            in_limit = self._within(self.prefill_step_limit_s, step, context, float(first_chunk))
             allowed = min(allowed, in_limit)
         return allowed
 
     def _within(
-        self, limit_s: float, step: tuple[int, int, int], context: int, keeps_floor: bool
+        self, limit_s: float, step: tuple[int, int, int], context: int, floor_share: float
     ) -> int:
-        """Prompt tokens that keep `step` predicted within `limit_s`; with `keeps_floor`, never
-        fewer than the step's other work is predicted to take (at least 1), so a prompt moves."""
-        in_time = self.step_cost.tokens_within(limit_s, *step, context)
-        if not keeps_floor:
+        """Prompt tokens that keep `step` predicted within `limit_s`; with a `floor_share`,
+        never fewer than that share of the step's other work is predicted to take (at least
+        1), so a prompt moves."""
+        cost = self.step_cost
+        in_time = cost.tokens_within(limit_s, *step, context)
+        if floor_share <= 0:
             return in_time
-        return max(in_time, 1, self.step_cost.tokens_in(self.step_cost.step_s(*step), context))
+        return max(in_time, 1, cost.tokens_in(floor_share * cost.step_s(*step), context))
 
 
 def _first_prompt(running: list[Request], waiting: list[Request]) -> Request | None:

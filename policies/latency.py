@@ -40,6 +40,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+LOOSER_FLOOR_SHARE = 0.5
+"""engine.scheduler.LOOSER_FLOOR_SHARE, which the engine applies (policies import no engine;
+a test holds the two equal)."""
+
 
 @dataclass(frozen=True)
 class StepCost:
@@ -168,8 +172,9 @@ class _PrefillLimit:
 
     limit_s: float
     """The tightest time-per-token target in flight: decoding now, or soon."""
-    keeps_floor: bool
-    """The prompt's own target is as tight: its chunk may take as long as the decodes."""
+    floor_share: float
+    """How long the prompt's chunk may take past the limit, as a share of the decodes'
+    time: 1 for a prompt as tight, LOOSER_FLOOR_SHARE for a looser one."""
 
 
 def _prefill_limit(pool: PoolState, tpot_target_s: float | None) -> _PrefillLimit | None:
@@ -180,7 +185,8 @@ def _prefill_limit(pool: PoolState, tpot_target_s: float | None) -> _PrefillLimi
     if not targets:
         return None
     limit_s = min(targets)
-    return _PrefillLimit(limit_s, tpot_target_s is not None and tpot_target_s <= limit_s)
+    as_tight = tpot_target_s is not None and tpot_target_s <= limit_s
+    return _PrefillLimit(limit_s, 1.0 if as_tight else LOOSER_FLOOR_SHARE)
 
 
 def _decoding_target_s(pool: PoolState) -> float | None:
@@ -240,14 +246,14 @@ def _prefill_s(
 
 def _chunk(pool: PoolState, num_decodes: int, limit: _PrefillLimit | None) -> int:
     """Prompt tokens of one step beside `num_decodes` decodes: what the budget leaves, and
-    under a time-per-token limit what the limit leaves; with the floor, never less than
-    the decodes' own time (engine/scheduler.py), and always at least one token."""
+    under a time-per-token limit what the limit leaves, never less than the floor's share
+    of the decodes' own time (engine/scheduler.py), and always at least one token."""
     chunk = max(1, pool.max_num_batched_tokens - num_decodes)
     cost = pool.cost
     if limit is None or cost.per_token_s <= 0:
         return chunk
     decodes_s = cost.step_s(num_decodes + 1, num_decodes)
-    step_s = max(limit.limit_s, 2 * decodes_s) if limit.keeps_floor else limit.limit_s
+    step_s = max(limit.limit_s, (1 + limit.floor_share) * decodes_s)
     return max(1, min(chunk, int((step_s - decodes_s) / cost.per_token_s)))
 
 
