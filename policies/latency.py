@@ -13,9 +13,9 @@ each engine (engine/step_cost.py). Work spreads evenly over replicas.
                   remaining tokens at TPOT; the wait ends when the next one frees
     prefill     = steps to compute the prompts ahead and this one, one after another,
                   each a step with the decodes riding along and a chunk of the budget
-                  for prefill (while a sequence with a target is in flight, of what
-                  the tightest target leaves; for a prompt as tight, never less than
-                  the decodes' own time);
+                  for prefill (while a sequence with a target decodes, or one with a
+                  tighter target than the prompt's is about to, of what the tightest
+                  target leaves; never less than a share of the decodes' own time);
                   with a target, the first step holds the less urgent decodes out
                   (the engine runs no work without a target while a more urgent
                   request with one waits), so a full batch of batch work costs an
@@ -171,7 +171,7 @@ class _PrefillLimit:
     """What the engine holds a new prompt's steps to (engine/scheduler.py)."""
 
     limit_s: float
-    """The tightest time-per-token target in flight: decoding now, or soon."""
+    """The tightest time-per-token target the prompt's steps are held to."""
     floor_share: float
     """How long the prompt's chunk may take past the limit, as a share of the decodes'
     time: 1 for a prompt as tight, LOOSER_FLOOR_SHARE for a looser one."""
@@ -179,9 +179,14 @@ class _PrefillLimit:
 
 def _prefill_limit(pool: PoolState, tpot_target_s: float | None) -> _PrefillLimit | None:
     """The limit a new prompt with `tpot_target_s` is prefilled under: the tightest target
-    of the sequences in flight, prefilled or not (those still prefilling decode within a
-    few steps, and the prompts behind them meet their target then). None: no target."""
-    targets = [s.tpot_target_s for s in pool.in_flight if s.tpot_target_s]
+    of the sequences decoding, and of those still prefilling with a tighter target than
+    its own (their prompts go first, then they decode beside it). None: no target."""
+    own_s = math.inf if tpot_target_s is None else tpot_target_s
+    targets = [
+        s.tpot_target_s
+        for s in pool.in_flight
+        if s.tpot_target_s and (s.prefilled or s.tpot_target_s < own_s)
+    ]
     if not targets:
         return None
     limit_s = min(targets)
