@@ -19,12 +19,12 @@ predicted by the engine's fitted step cost (which knows that a chunk late in
 a long prompt costs more than an early one: it reads more context).
 A chunk is cut to what fits. Prompts with a target go one at a time, the most
 urgent first (`_first_prompt`): the first is never cut below the tokens
-predicted to take as long as the rest of the step when its target is as tight
-as the step's (half as long when it is looser), so it always moves and the
-streams beside it at most double their time per token (or add half), even on
-a machine too slow for the target; the others take only the room left, and
-none while nothing with a target decodes, so a burst of urgent prompts gets
-its first tokens one prompt apart rather than all after every prompt. Work without a target joins only as far as the step
+predicted to take half as long as the rest of the step (PROMPT_FLOOR_SHARE),
+so it always moves, even on a machine too slow for the target, and the
+streams beside it run at most half over their time per token meanwhile; the
+others take only the room left, and none while nothing with a target decodes,
+so a burst of urgent prompts gets its first tokens one prompt apart rather
+than all after every prompt. Work without a target joins only as far as the step
 still fits, and not at all while a more urgent request with a target waits.
 This is what lets an interactive request share a pool with a big batch, and a
 long prompt share a step with streams that are decoding.
@@ -60,10 +60,11 @@ from engine.step_cost import StepCostModel
 if TYPE_CHECKING:
     from engine.spec_decode import Proposal
 
-LOOSER_FLOOR_SHARE = 0.5
-"""The first prompt with a looser target than the tightest decoding may lengthen a step by
-this share of its other work: the tighter streams' time per token rises by at most half
-while it prefills, and it is never starved (engine/scheduler.py's module docstring)."""
+PROMPT_FLOOR_SHARE = 0.5
+"""The first prompt with a target may lengthen a step by this share of its other work when
+the targets leave it less room: it always moves, and the streams beside it run at most half
+over their target while it prefills (at 1, a prompt beside decodes taking two thirds of the
+target took every step a third over it)."""
 
 
 @dataclass
@@ -322,16 +323,12 @@ class _StepTargets:
 
     def floor_share(self, request: Request) -> float:
         """How long `request`'s prompt chunk may take past the step's target, as a share of
-        the rest of the step: the whole of it for the first prompt with a target as tight as
-        the tightest decoding, LOOSER_FLOOR_SHARE for a first prompt with a looser target
-        (it moves, at a third of the step, instead of starving on a pool too slow for the
-        tightest target), none for a second prompt (it waits its turn instead of doubling
-        the step again)."""
-        target_s = request.tpot_target_s
-        if request is not self.first_prompt or target_s is None:
+        the rest of the step: PROMPT_FLOOR_SHARE for the first prompt with a target, none
+        for any other (a second prompt waits its turn instead of lengthening the step
+        again)."""
+        if request is not self.first_prompt or request.tpot_target_s is None:
             return 0.0
-        as_tight = self.limit_s is None or target_s <= self.limit_s
-        return 1.0 if as_tight else LOOSER_FLOOR_SHARE
+        return PROMPT_FLOOR_SHARE
 
     def waits_ahead_of(self, request: Request) -> bool:
         """A more urgent request with a target is waiting: it takes this step's room."""

@@ -40,8 +40,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-LOOSER_FLOOR_SHARE = 0.5
-"""engine.scheduler.LOOSER_FLOOR_SHARE, which the engine applies (policies import no engine;
+PROMPT_FLOOR_SHARE = 0.5
+"""engine.scheduler.PROMPT_FLOOR_SHARE, which the engine applies (policies import no engine;
 a test holds the two equal)."""
 
 
@@ -134,8 +134,9 @@ def predict(
     wait_s = _slot_wait_s(pool, ahead, tpot_s)
     prefill_tokens = num_prompt_tokens + sum(s.num_prompt_tokens for s in ahead if not s.prefilled)
     tokens_per_replica = math.ceil(prefill_tokens / max(1, pool.num_replicas))
-    limit = _prefill_limit(pool, tpot_target_s)
-    prefill_s = _prefill_s(pool, tokens_per_replica, first_batch, batch, limit)
+    limit_s = _prefill_limit_s(pool, tpot_target_s)
+    floor_share = 0.0 if tpot_target_s is None else PROMPT_FLOOR_SHARE
+    prefill_s = _prefill_s(pool, tokens_per_replica, first_batch, batch, limit_s, floor_share)
     mask_s = pool.cost.per_constrained_row_s if constrained else 0.0
     ttft_s = step_in_progress_s(pool) + wait_s + prefill_s + mask_s
     return Prediction(ttft_s=ttft_s, tpot_s=tpot_s + mask_s, num_ahead=len(ahead))
@@ -166,32 +167,17 @@ def step_in_progress_s(pool: PoolState) -> float:
     return 0.5 * step_s
 
 
-@dataclass(frozen=True)
-class _PrefillLimit:
-    """What the engine holds a new prompt's steps to (engine/scheduler.py)."""
-
-    limit_s: float
-    """The tightest time-per-token target the prompt's steps are held to."""
-    floor_share: float
-    """How long the prompt's chunk may take past the limit, as a share of the decodes'
-    time: 1 for a prompt as tight, LOOSER_FLOOR_SHARE for a looser one."""
-
-
-def _prefill_limit(pool: PoolState, tpot_target_s: float | None) -> _PrefillLimit | None:
-    """The limit a new prompt with `tpot_target_s` is prefilled under: the tightest target
-    of the sequences decoding, and of those still prefilling with a tighter target than
-    its own (their prompts go first, then they decode beside it). None: no target."""
+def _prefill_limit_s(pool: PoolState, tpot_target_s: float | None) -> float | None:
+    """The step time a new prompt with `tpot_target_s` is prefilled under: the tightest
+    target of the sequences decoding, and of those still prefilling with a tighter target
+    than its own (their prompts go first, then they decode beside it). None: no target."""
     own_s = math.inf if tpot_target_s is None else tpot_target_s
     targets = [
         s.tpot_target_s
         for s in pool.in_flight
         if s.tpot_target_s and (s.prefilled or s.tpot_target_s < own_s)
     ]
-    if not targets:
-        return None
-    limit_s = min(targets)
-    as_tight = tpot_target_s is not None and tpot_target_s <= limit_s
-    return _PrefillLimit(limit_s, 1.0 if as_tight else LOOSER_FLOOR_SHARE)
+    return min(targets, default=None)
 
 
 def _decoding_target_s(pool: PoolState) -> float | None:
@@ -231,35 +217,36 @@ def _slot_wait_s(pool: PoolState, ahead: Sequence[InFlightSequence], tpot_s: flo
 
 
 def _prefill_s(
-    pool: PoolState, num_tokens: int, first_batch: int, batch: int, limit: _PrefillLimit | None
-) -> float:
+    pool: PoolState, num_tokens: int, first_batch: int, batch: int, limit_s: float | None,
+    floor_share: float,
+) -> float:  # fmt: skip
     """Steps to compute `num_tokens` prompt tokens on one replica: the first step beside
     `first_batch - 1` decodes, the later ones beside `batch - 1`; each chunk within the
-    token budget and within `limit`."""
-    first_chunk = min(num_tokens, _chunk(pool, first_batch - 1, limit))
+    token budget and within `limit_s` (`_chunk`)."""
+    first_chunk = min(num_tokens, _chunk(pool, first_batch - 1, limit_s, floor_share))
     first_s = pool.cost.step_s(first_batch, first_batch - 1 + first_chunk)
     rest = num_tokens - first_chunk
     if rest <= 0:
         return first_s
     num_decodes = batch - 1
-    chunk = _chunk(pool, num_decodes, limit)
+    chunk = _chunk(pool, num_decodes, limit_s, floor_share)
     num_steps = math.ceil(rest / chunk)
     last_chunk = rest - (num_steps - 1) * chunk
     full = pool.cost.step_s(batch, num_decodes + chunk)
     return first_s + (num_steps - 1) * full + pool.cost.step_s(batch, num_decodes + last_chunk)
 
 
-def _chunk(pool: PoolState, num_decodes: int, limit: _PrefillLimit | None) -> int:
+def _chunk(pool: PoolState, num_decodes: int, limit_s: float | None, floor_share: float) -> int:
     """Prompt tokens of one step beside `num_decodes` decodes: what the budget leaves, and
-    under a time-per-token limit what the limit leaves, never less than the floor's share
-    of the decodes' own time (engine/scheduler.py), and always at least one token."""
+    under a time-per-token limit what the limit leaves, never less than `floor_share` of
+    the decodes' own time (engine/scheduler.py), and always at least one token."""
     chunk = max(1, pool.max_num_batched_tokens - num_decodes)
     cost = pool.cost
-    if limit is None or cost.per_token_s <= 0:
+    if limit_s is None or cost.per_token_s <= 0:
         return chunk
     decodes_s = cost.step_s(num_decodes + 1, num_decodes)
-    step_s = max(limit.limit_s, (1 + limit.floor_share) * decodes_s)
-    return max(1, min(chunk, int((step_s - decodes_s) / cost.per_token_s)))
+    room_s = max(limit_s - decodes_s, floor_share * decodes_s)
+    return max(1, min(chunk, int(room_s / cost.per_token_s)))
 
 
 def _mean_remaining(sequences: Sequence[InFlightSequence]) -> float:
