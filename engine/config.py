@@ -20,7 +20,7 @@ DTYPES: dict[str, torch.dtype] = {
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 """EngineConfig.kv_cache_dtype's values (engine.quant.kv says what each stores)."""
 
-CPU_PRIORITIES = ("inherit", "urgent")
+CPU_PRIORITIES = ("inherit", "urgent", "own_group")
 """EngineConfig.cpu_priority's values (engine.process.apply_cpu_priority says what each does)."""
 
 
@@ -145,7 +145,9 @@ class EngineConfig:
     """`urgent` for a pool with a TPOT target that shares a node: its engine's child process
     gets the cores first (engine.process.apply_cpu_priority, so needs `separate_process`).
     `inherit` keeps the priority the process was started with (Ray's workers: nice 15):
-    a throughput pool then still takes every cycle the urgent ones leave idle."""
+    a throughput pool then still takes every cycle the urgent ones leave idle. `own_group`
+    does too, from a session of its own: it no longer shares one group's CPU time with
+    all of Ray's other workers."""
     stall_timeout_s: float = 120.0
     """A step running longer than this while work waits marks the engine unhealthy (a
     wedged forward pass): the pool's health check then fails and Serve replaces it."""

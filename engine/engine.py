@@ -127,6 +127,7 @@ class LLMEngine:
         A failure of the forward pass fails the requests of this step (their blocks freed);
         a failure tied to one request fails that request; the engine goes on either way.
         """
+        self.step_cost.start_cycle(time.perf_counter())
         scheduled = self.scheduler.schedule(self._propose())
         if not scheduled.num_new_tokens:
             return []

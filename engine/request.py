@@ -119,6 +119,11 @@ class Request:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
+    def is_prefilling(self) -> bool:
+        """More than the newest token left to compute: a prompt (or recomputation) in progress."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
     def sort_key(self) -> tuple[int, int]:
         """Scheduling order: priority first, then arrival."""
         return (self.priority, self.arrival)

@@ -9,31 +9,11 @@ When blocks run out, or a more urgent request waits on a full batch, the
 least urgent running request is preempted: its blocks are freed and it is
 recomputed from scratch later (with luck, from the prefix cache).
 
-Requests may carry a time-per-token target (`Request.tpot_target_s`). Their
-decodes are scheduled first and run whenever they are due: at once for the
-tightest target in the step, and for a looser one once a step more would pass
-it; until then a looser target's decode rides along like work without one.
-The rest of the step (prefill chunks, decodes without a target, looser
-targets not yet due) is kept within the tightest target among them,
-predicted by the engine's fitted step cost (which knows that a chunk late in
-a long prompt costs more than an early one: it reads more context).
-A chunk is cut to what fits. Prompts with a target go one at a time, the most
-urgent first (`_first_prompt`): the first is never cut below the tokens
-predicted to take half as long as the rest of the step (PROMPT_FLOOR_SHARE),
-so it always moves, even on a machine too slow for the target, and the
-streams beside it run at most half over their time per token meanwhile; the
-others take only the room left, and none while nothing with a target decodes,
-so a burst of urgent prompts gets its first tokens one prompt apart rather
-than all after every prompt. Work without a target joins only as far as the step
-still fits, and not at all while a more urgent request with a target waits.
-This is what lets an interactive request share a pool with a big batch, and a
-long prompt share a step with streams that are decoding.
-
-A pool that urgent work overflows to may also limit in time the prefill of
-work without a target (`prefill_step_limit_s`), by the same rule: chunks are
-cut to the limit, the step's first chunk never below its decodes' time. A request
-arriving mid-step then waits out a short step rather than a whole token budget
-of prefill.
+Requests may carry a time-per-token target (`Request.tpot_target_s`): their
+decodes are scheduled first, and the rest of the step is cut to what the
+targets and the prefill step limit allow (engine/step_targets.py). This is
+what lets an interactive request share a pool with a big batch, and a long
+prompt share a step with streams that are decoding.
 
 After the forward pass, `update` is the one place request state advances:
 computed tokens, naming full blocks for the prefix cache, appending sampled
@@ -46,7 +26,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -56,15 +35,10 @@ from engine.kv_cache import KVCacheManager
 from engine.outputs import RunnerOutput
 from engine.request import Request, RequestStatus
 from engine.step_cost import StepCostModel
+from engine.step_targets import StepTargets
 
 if TYPE_CHECKING:
     from engine.spec_decode import Proposal
-
-PROMPT_FLOOR_SHARE = 0.5
-"""The first prompt with a target may lengthen a step by this share of its other work when
-the targets leave it less room: it always moves, and the streams beside it run at most half
-over their target while it prefills (at 1, a prompt beside decodes taking two thirds of the
-target took every step a third over it)."""
 
 
 @dataclass
@@ -127,7 +101,7 @@ class Scheduler:
             proposal = drafts.get(request)
             request.spec_token_ids = list(proposal.token_ids) if proposal is not None else []
         self._make_room_for_urgent(out)
-        targets = _StepTargets.of(
+        targets = StepTargets.of(
             self.running, self.waiting, self.step_cost, self.prefill_step_limit_s
         )
         # Decodes first: they cost one token (1 + k with drafts) each, and a long
@@ -204,7 +178,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
-    def _budget(self, request: Request, out: SchedulerOutput, targets: _StepTargets) -> int:
+    def _budget(self, request: Request, out: SchedulerOutput, targets: StepTargets) -> int:
         """Tokens `request` may compute this step: what is left of the token budget, cut
         to what keeps the step within its time limits (see the module docstring)."""
         budget = self.max_num_batched_tokens - out.total_tokens
@@ -283,102 +257,6 @@ class Scheduler:
         self._enqueue(request)  # keeps its arrival: it goes back to its place in line
 
 
-@dataclass(frozen=True)
-class _StepTargets:
-    """The time limits one step must respect, read once per `schedule`: the tightest
-    time-per-token target decoding, and the prefill step limit."""
-
-    limit_s: float | None
-    """The tightest target among the running requests that decode (None: none)."""
-    waiting_priority: int | None
-    """The most urgent priority among waiting requests with a target (None: none)."""
-    first_prompt: Request | None
-    """The prompt with a target that goes first (`_first_prompt`): only it may take more
-    than the room the step has left."""
-    step_cost: StepCostModel
-    prefill_step_limit_s: float | None
-
-    @classmethod
-    def of(
-        cls, running: list[Request], waiting: list[Request], step_cost: StepCostModel,
-        prefill_step_limit_s: float | None,
-    ) -> _StepTargets:  # fmt: skip
-        """The targets of this step's running and waiting requests."""
-        decoding = [r.tpot_target_s for r in running if r.tpot_target_s and not _is_prefilling(r)]
-        queued = [r.priority for r in waiting if r.tpot_target_s is not None]
-        return cls(
-            min(decoding, default=None), min(queued, default=None),
-            _first_prompt(running, waiting), step_cost, prefill_step_limit_s,
-        )  # fmt: skip
-
-    def decode_is_due(self, request: Request) -> bool:
-        """`request` decodes with a target this step whatever else the step holds: its target
-        is the tightest, or one more step at the tightest would pass it."""
-        target_s = request.tpot_target_s
-        if target_s is None or _is_prefilling(request):
-            return False
-        if self.limit_s is None or target_s <= self.limit_s or request.last_token_time_s is None:
-            return True
-        return time.monotonic() - request.last_token_time_s + self.limit_s >= target_s
-
-    def floor_share(self, request: Request) -> float:
-        """How long `request`'s prompt chunk may take past the step's target, as a share of
-        the rest of the step: PROMPT_FLOOR_SHARE for the first prompt with a target, none
-        for any other (a second prompt waits its turn instead of lengthening the step
-        again)."""
-        if request is not self.first_prompt or request.tpot_target_s is None:
-            return 0.0
-        return PROMPT_FLOOR_SHARE
-
-    def waits_ahead_of(self, request: Request) -> bool:
-        """A more urgent request with a target is waiting: it takes this step's room."""
-        return self.waiting_priority is not None and self.waiting_priority < request.priority
-
-    def tokens_in_time(self, request: Request, out: SchedulerOutput) -> int:
-        """Tokens `request` may add to the step and keep it predicted within the tightest
-        target decoding and, for a prompt without a target, within the prefill step limit;
-        the step's first prefill chunk never below the step's decodes' time. Prompts with a
-        target go one at a time while nothing with a target decodes: each first token
-        comes after one prompt's prefill, not after all of them."""
-        step = (len(out.num_new_tokens) + 1, out.total_tokens, out.attended_positions)
-        context = request.num_computed_tokens
-        allowed = sys.maxsize
-        if self.limit_s is not None:
-            allowed = self._within(self.limit_s, step, context, self.floor_share(request))
-        elif _is_prefilling(request) and request.tpot_target_s is not None:
-            allowed = sys.maxsize if request is self.first_prompt else 0
-        limited = request.tpot_target_s is None and _is_prefilling(request)
-        if self.prefill_step_limit_s is not None and limited:
-            first_chunk = not any(map(_is_prefilling, out.num_new_tokens))
-            in_limit = self._within(self.prefill_step_limit_s, step, context, float(first_chunk))
-            allowed = min(allowed, in_limit)
-        return allowed
-
-    def _within(
-        self, limit_s: float, step: tuple[int, int, int], context: int, floor_share: float
-    ) -> int:
-        """Prompt tokens that keep `step` predicted within `limit_s`; with a `floor_share`,
-        never fewer than that share of the step's other work is predicted to take (at least
-        1), so a prompt moves."""
-        cost = self.step_cost
-        in_time = cost.tokens_within(limit_s, *step, context)
-        if floor_share <= 0:
-            return in_time
-        return max(in_time, 1, cost.tokens_in(floor_share * cost.step_s(*step), context))
-
-
-def _first_prompt(running: list[Request], waiting: list[Request]) -> Request | None:
-    """The most urgent prompt with a target already prefilling; the head of the queue
-    instead when it has a target and is strictly more urgent (it is admitted this step,
-    preempting for room, so the one it passes cannot starve behind it)."""
-    prefilling = [r for r in running if r.tpot_target_s is not None and _is_prefilling(r)]
-    first = min(prefilling, key=lambda r: r.sort_key, default=None)
-    head = waiting[0] if waiting else None
-    if head is None or head.tpot_target_s is None:
-        return first
-    return head if first is None or head.priority < first.priority else first
-
-
 def _append(request: Request, token_ids: list[int]) -> tuple[list[int], str | None]:
     """Append sampled tokens up to the first that ends the request; (kept, reason)."""
     for i, token_id in enumerate(token_ids):
@@ -403,9 +281,4 @@ def _stop_reason(request: Request, token_id: int) -> str | None:
 
 def _step_order(request: Request) -> tuple[bool, bool, tuple[int, int]]:
     """Requests with a target first, then decodes before prefills, then priority and arrival."""
-    return (request.tpot_target_s is None, _is_prefilling(request), request.sort_key)
-
-
-def _is_prefilling(request: Request) -> bool:
-    """More than the newest token left to compute: a prompt (or recomputation) in progress."""
-    return request.num_tokens - request.num_computed_tokens > 1
+    return (request.tpot_target_s is None, request.is_prefilling, request.sort_key)

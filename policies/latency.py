@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 PROMPT_FLOOR_SHARE = 0.5
-"""engine.scheduler.PROMPT_FLOOR_SHARE, which the engine applies (policies import no engine;
+"""engine.step_targets.PROMPT_FLOOR_SHARE, which the engine applies (policies import no engine;
 a test holds the two equal)."""
 
 
@@ -97,7 +97,7 @@ class PoolState:
     """Prompt + max_tokens above which the pool takes no request (None: no limit)."""
     prefill_step_limit_s: float | None = None
     """The engine's limit on a step's prefill (its first chunk may still take as long as
-    the step's decodes; engine/scheduler.py). None: only the token budget."""
+    the step's decodes; engine/step_targets.py). None: only the token budget."""
 
     @property
     def num_slots(self) -> int:
@@ -239,7 +239,7 @@ def _prefill_s(
 def _chunk(pool: PoolState, num_decodes: int, limit_s: float | None, floor_share: float) -> int:
     """Prompt tokens of one step beside `num_decodes` decodes: what the budget leaves, and
     under a time-per-token limit what the limit leaves, never less than `floor_share` of
-    the decodes' own time (engine/scheduler.py), and always at least one token."""
+    the decodes' own time (engine/step_targets.py), and always at least one token."""
     chunk = max(1, pool.max_num_batched_tokens - num_decodes)
     cost = pool.cost
     if limit_s is None or cost.per_token_s <= 0:

@@ -10,7 +10,8 @@ it two one-thread engines on two cores barely meet, and nothing arbitrates.
 The interactive engine decodes batches of INTERACTIVE_BATCH requests; the
 offline engine keeps OFFLINE_IN_FLIGHT sequences live. Scenarios: each alone,
 and both with the interactive engine at the `cpu_priority` it inherits and at
-`urgent` (engine.process.apply_cpu_priority).
+`urgent`, the offline one in Ray's session or in a group of its own
+(`own_group`; engine.process.apply_cpu_priority).
 
 Reported: the interactive TPOT beside the offline engine over alone (p50, p95;
 1.0 is no interference), and the offline throughput beside it over alone.
@@ -60,6 +61,7 @@ SCENARIOS = (
     Scenario("offline_alone", None, "inherit"),
     Scenario("both", "inherit", "inherit"),
     Scenario("both_urgent", "urgent", "inherit"),
+    Scenario("both_urgent_offline_own_group", "urgent", "own_group"),
 )
 
 

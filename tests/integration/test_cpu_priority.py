@@ -57,6 +57,14 @@ def test_urgent_without_privileges_keeps_its_niceness_and_starts() -> None:
     assert policy == os.SCHED_OTHER and nice == RAY_WORKER_NICE and own_session
 
 
+def test_own_group_leads_a_session_of_its_own_at_its_niceness() -> None:
+    """A throughput pool's engine in an autogroup of its own: Ray's other workers no longer
+    share its group's CPU time, and it keeps the niceness it was started with."""
+    policy, nice, own_session, autogroup = read_back("own_group")
+    assert policy == os.SCHED_OTHER and nice == RAY_WORKER_NICE and own_session
+    assert not autogroup or autogroup.endswith("nice 0")
+
+
 def test_inherit_changes_nothing() -> None:
     policy, nice, own_session, _ = read_back("inherit")
     assert policy == os.SCHED_OTHER and nice == RAY_WORKER_NICE and not own_session
