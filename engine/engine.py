@@ -135,6 +135,8 @@ class LLMEngine:
         kept = self.scheduler.update(scheduled, result)
         outputs = [self._emit(request, token_ids, result) for request, token_ids in kept.items()]
         self.counters.count_generated(sum(len(o.new_token_ids) for o in outputs))
+        if not self.has_unfinished():
+            self.step_cost.end_busy()
         return outputs
 
     def _execute(self, scheduled: SchedulerOutput) -> RunnerOutput:

@@ -75,6 +75,11 @@ class StepCostModel:
         if ratio < IDLE_CYCLE_RATIO:
             self.pace += (1.0 - FORGETTING) * (ratio - self.pace)
 
+    def end_busy(self) -> None:
+        """The engine has nothing left to do: the time until its next step is idle, not the
+        cycle of the step that just ran."""
+        self._cycle_start_s = None
+
     def observe(self, num_seqs: int, num_tokens: int, seconds: float, attended: int = 0) -> None:
         """Fold in one measured step (recursive least squares with forgetting)."""
         x = [1.0, float(num_seqs), float(num_tokens), attended / ATTENDED_UNIT]
