@@ -127,7 +127,6 @@ class LLMEngine:
         A failure of the forward pass fails the requests of this step (their blocks freed);
         a failure tied to one request fails that request; the engine goes on either way.
         """
-        self.step_cost.start_cycle(time.perf_counter())
         scheduled = self.scheduler.schedule(self._propose())
         if not scheduled.num_new_tokens:
             return []
@@ -135,8 +134,6 @@ class LLMEngine:
         kept = self.scheduler.update(scheduled, result)
         outputs = [self._emit(request, token_ids, result) for request, token_ids in kept.items()]
         self.counters.count_generated(sum(len(o.new_token_ids) for o in outputs))
-        if not self.has_unfinished():
-            self.step_cost.end_busy()
         return outputs
 
     def _execute(self, scheduled: SchedulerOutput) -> RunnerOutput:

@@ -26,9 +26,6 @@ PRIOR_VARIANCE = 1e3
 """Large: the first real steps override the prior quickly."""
 ATTENDED_UNIT = 1000
 """Attended positions are counted in thousands, so every feature is of a similar size."""
-IDLE_CYCLE_RATIO = 3.0
-"""A cycle longer than this many predicted steps had the engine waiting for work: not a
-measure of its pace."""
 
 Vector = list[float]
 Matrix = list[list[float]]
@@ -56,34 +53,10 @@ class StepCostModel:
         self._positions_per_token = 0.0
         """Recent attended positions per computed token: the context a token reads today."""
         self.num_observations = 0
-        self.pace = 1.0
-        """Recent whole cycles (one step's start to the next's) over their predicted steps:
-        what the forward pass's fit leaves out (scheduling, detokenizing, publishing, and a
-        core shared with other processes). A step held to a time-per-token target is held
-        to the target over this (engine/step_targets.py)."""
-        self._cycle_start_s: float | None = None
-        self._cycle_predicted_s = 0.0
-
-    def start_cycle(self, now_s: float) -> None:
-        """A step starts at `now_s`: the cycle of the step before it (predicted when it was
-        observed) ends here and updates `pace`, unless the engine waited for work."""
-        start_s, predicted_s = self._cycle_start_s, self._cycle_predicted_s
-        self._cycle_start_s, self._cycle_predicted_s = now_s, 0.0
-        if start_s is None or predicted_s <= 0:
-            return
-        ratio = (now_s - start_s) / predicted_s
-        if ratio < IDLE_CYCLE_RATIO:
-            self.pace += (1.0 - FORGETTING) * (ratio - self.pace)
-
-    def end_busy(self) -> None:
-        """The engine has nothing left to do: the time until its next step is idle, not the
-        cycle of the step that just ran."""
-        self._cycle_start_s = None
 
     def observe(self, num_seqs: int, num_tokens: int, seconds: float, attended: int = 0) -> None:
         """Fold in one measured step (recursive least squares with forgetting)."""
         x = [1.0, float(num_seqs), float(num_tokens), attended / ATTENDED_UNIT]
-        self._cycle_predicted_s = max(0.0, self.step_s(num_seqs, num_tokens, attended))
         px = [_dot(row, x) for row in self._p]
         gain = [v / (FORGETTING + _dot(x, px)) for v in px]
         error = seconds - _dot(x, self._theta)

@@ -5,10 +5,9 @@ decodes are scheduled first and run whenever they are due: at once for the
 tightest target in the step, and for a looser one once a step more would pass
 it; until then a looser target's decode rides along like work without one.
 The rest of the step (prefill chunks, decodes without a target, looser
-targets not yet due) is kept within the tightest target among them, over the
-engine's pace (its whole cycle against the forward pass alone), predicted by
-the engine's fitted step cost (which knows that a chunk late in a long prompt
-costs more than an early one: it reads more context).
+targets not yet due) is kept within the tightest target among them, predicted
+by the engine's fitted step cost (which knows that a chunk late in a long
+prompt costs more than an early one: it reads more context).
 
 A chunk is cut to what fits. Prompts with a target go one at a time, the most
 urgent first (`_first_prompt`): the first is never cut below the tokens
@@ -109,8 +108,7 @@ class StepTargets:
         context = request.num_computed_tokens
         allowed = sys.maxsize
         if self.limit_s is not None:
-            limit_s = self.limit_s / max(1.0, self.step_cost.pace)  # the whole cycle in it
-            allowed = self._within(limit_s, step, context, self.floor_share(request))
+            allowed = self._within(self.limit_s, step, context, self.floor_share(request))
         elif request.is_prefilling and request.tpot_target_s is not None:
             allowed = sys.maxsize if request is self.first_prompt else 0
         limited = request.tpot_target_s is None and request.is_prefilling

@@ -40,28 +40,6 @@ def test_fit_recovers_the_attention_term_and_folds_it_into_the_token_cost():
     assert per_token > 0.0012  # a token's cost at the recent contexts includes its attention
 
 
-def test_the_pace_learns_the_whole_cycle_over_the_forward_pass_and_skips_idle_gaps():
-    """A cycle (one step's start to the next's) of 1.5 predicted steps, as when publishing
-    and a shared core take a third of it, moves the pace to 1.5; a gap of many steps, or
-    any gap after the engine ran out of work, teaches it nothing."""
-    model = StepCostModel()
-    for _ in range(200):
-        model.observe(4, 4, 0.1)
-    predicted_s = model.step_s(4, 4, 0)
-    now_s = 0.0
-    for _ in range(400):
-        model.start_cycle(now_s)
-        model.observe(4, 4, predicted_s)
-        now_s += 1.5 * predicted_s
-    assert model.pace == pytest.approx(1.5, rel=0.01)
-    model.start_cycle(now_s + 100 * predicted_s)  # idle
-    assert model.pace == pytest.approx(1.5, rel=0.01)
-    model.observe(4, 4, predicted_s)
-    model.end_busy()  # nothing left: the engine waits, however briefly
-    model.start_cycle(now_s + 100 * predicted_s + 2 * predicted_s)
-    assert model.pace == pytest.approx(1.5, rel=0.01)
-
-
 def test_decode_only_load_keeps_predicting_right_and_stays_finite():
     """Decode steps tie tokens to sequences: the split is unknowable, the sum must hold."""
     model, rng = StepCostModel(), random.Random(1)

@@ -246,23 +246,3 @@ def test_only_the_first_prompt_keeps_the_floor():
     assert tokens.get("next0", 0) >= 6 and "next1" not in tokens
     assert predicted_s(scheduler, tokens) <= 1.5 * predicted_s(scheduler, {"chat": 1}) + 2e-3
 
-
-def test_a_slow_pace_leaves_less_room_under_a_target():
-    """When whole cycles run longer than the forward pass the fit predicts (publishing, a
-    core shared with other processes), the step is held to the target over that pace."""
-    rooms = {}
-    for pace in (1.0, 2.0):
-        scheduler = with_cost(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=512)
-        scheduler.step_cost.pace = pace
-        model = FakeModel(scheduler)
-        scheduler.add(request("chat", 2, priority=0, target_s=0.05))
-        model.step()
-        scheduler.add(request("standard", 400, priority=1, target_s=1.0))
-        rooms[pace] = scheduled(model.step())["standard"]
-    assert rooms[2.0] < rooms[1.0]
-    assert predicted_s_from(rooms[2.0]) <= 0.05 / 2 + 1e-3
-
-
-def predicted_s_from(prompt_tokens: int) -> float:
-    """The synthetic fit's step: the chat decode beside `prompt_tokens` of a prompt."""
-    return BASE_S + 2 * PER_SEQ_S + PER_TOKEN_S * (1 + prompt_tokens)
