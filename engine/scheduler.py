@@ -186,7 +186,9 @@ class Scheduler:
             return budget
         if request.tpot_target_s is None and targets.waits_ahead_of(request):
             return 0
-        return min(budget, targets.tokens_in_time(request, out))
+        step = (len(out.num_new_tokens) + 1, out.total_tokens, out.attended_positions)
+        has_prefill = any(r.is_prefilling for r in out.num_new_tokens)
+        return min(budget, targets.tokens_in_time(request, step, has_prefill))
 
     def _make_room_for_urgent(self, out: SchedulerOutput) -> None:
         """A full batch yields its least urgent member to a strictly higher priority."""

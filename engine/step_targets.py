@@ -32,13 +32,12 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from engine.request import Request
 from engine.step_cost import StepCostModel
 
-if TYPE_CHECKING:
-    from engine.scheduler import SchedulerOutput
+Step = tuple[int, int, int]
+"""A step so far, as the step-cost fit reads it: sequences, tokens, attended positions."""
 
 PROMPT_FLOOR_SHARE = 0.5
 """The first prompt with a target may lengthen a step by this share of its other work when
@@ -98,13 +97,13 @@ class StepTargets:
         """A more urgent request with a target is waiting: it takes this step's room."""
         return self.waiting_priority is not None and self.waiting_priority < request.priority
 
-    def tokens_in_time(self, request: Request, out: SchedulerOutput) -> int:
+    def tokens_in_time(self, request: Request, step: Step, has_prefill: bool) -> int:
         """Tokens `request` may add to the step and keep it predicted within the tightest
         target decoding and, for a prompt without a target, within the prefill step limit;
         the step's first prefill chunk never below the step's decodes' time. Prompts with a
         target go one at a time while nothing with a target decodes: each first token
-        comes after one prompt's prefill, not after all of them."""
-        step = (len(out.num_new_tokens) + 1, out.total_tokens, out.attended_positions)
+        comes after one prompt's prefill, not after all of them. `step` is the step so far
+        with `request` counted in it; `has_prefill`, whether it holds a prompt's chunk."""
         context = request.num_computed_tokens
         allowed = sys.maxsize
         if self.limit_s is not None:
@@ -113,14 +112,12 @@ class StepTargets:
             allowed = sys.maxsize if request is self.first_prompt else 0
         limited = request.tpot_target_s is None and request.is_prefilling
         if self.prefill_step_limit_s is not None and limited:
-            first_chunk = not any(r.is_prefilling for r in out.num_new_tokens)
-            in_limit = self._within(self.prefill_step_limit_s, step, context, float(first_chunk))
+            first_chunk = float(not has_prefill)
+            in_limit = self._within(self.prefill_step_limit_s, step, context, first_chunk)
             allowed = min(allowed, in_limit)
         return allowed
 
-    def _within(
-        self, limit_s: float, step: tuple[int, int, int], context: int, floor_share: float
-    ) -> int:
+    def _within(self, limit_s: float, step: Step, context: int, floor_share: float) -> int:
         """Prompt tokens that keep `step` predicted within `limit_s`; with a `floor_share`,
         never fewer than that share of the step's other work is predicted to take (at least
         1), so a prompt moves."""
