@@ -11,9 +11,10 @@ prompt costs more than an early one: it reads more context).
 
 A chunk is cut to what fits. Prompts with a target go one at a time, the most
 urgent first (`_first_prompt`): the first is never cut below the tokens
-predicted to take half as long as the rest of the step (PROMPT_FLOOR_SHARE),
-so it always moves, even on a machine too slow for the target, and the
-streams beside it run at most half over their time per token meanwhile; the
+predicted to take half as long as the rest of the step (PROMPT_FLOOR_SHARE;
+as long, where the rest alone passes the target), so it always moves, even on
+a machine too slow for the target, and the streams beside it run at most half
+over their time per token meanwhile where the target is in reach; the
 others take only the room left, and none while nothing with a target decodes,
 so a burst of urgent prompts gets its first tokens one prompt apart rather
 than all after every prompt. Work without a target joins only as far as the
@@ -43,7 +44,9 @@ PROMPT_FLOOR_SHARE = 0.5
 """The first prompt with a target may lengthen a step by this share of its other work when
 the targets leave it less room: it always moves, and the streams beside it run at most half
 over their target while it prefills (at 1, a prompt beside decodes taking two thirds of the
-target took every step a third over it)."""
+target took every step a third over it). Where the step's other work alone passes the target
+(a machine too slow for it), the whole of it: the target is out of reach either way, and the
+prompt moves at the streams' pace."""
 
 
 @dataclass(frozen=True)
@@ -119,13 +122,15 @@ class StepTargets:
 
     def _within(self, limit_s: float, step: Step, context: int, floor_share: float) -> int:
         """Prompt tokens that keep `step` predicted within `limit_s`; with a `floor_share`,
-        never fewer than that share of the step's other work is predicted to take (at least
-        1), so a prompt moves."""
+        never fewer than that share of the step's other work is predicted to take (all of
+        it when that work alone passes `limit_s`; at least 1), so a prompt moves."""
         cost = self.step_cost
         in_time = cost.tokens_within(limit_s, *step, context)
         if floor_share <= 0:
             return in_time
-        return max(in_time, 1, cost.tokens_in(floor_share * cost.step_s(*step), context))
+        other_s = cost.step_s(*step)
+        share = 1.0 if other_s >= limit_s else floor_share
+        return max(in_time, 1, cost.tokens_in(share * other_s, context))
 
 
 def _first_prompt(running: list[Request], waiting: list[Request]) -> Request | None:

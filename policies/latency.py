@@ -239,12 +239,15 @@ def _prefill_s(
 def _chunk(pool: PoolState, num_decodes: int, limit_s: float | None, floor_share: float) -> int:
     """Prompt tokens of one step beside `num_decodes` decodes: what the budget leaves, and
     under a time-per-token limit what the limit leaves, never less than `floor_share` of
-    the decodes' own time (engine/step_targets.py), and always at least one token."""
+    the decodes' own time (all of it when they alone pass the limit; engine/step_targets.py),
+    and always at least one token."""
     chunk = max(1, pool.max_num_batched_tokens - num_decodes)
     cost = pool.cost
     if limit_s is None or cost.per_token_s <= 0:
         return chunk
     decodes_s = cost.step_s(num_decodes + 1, num_decodes)
+    if floor_share > 0 and decodes_s >= limit_s:  # out of reach: at the decodes' pace
+        floor_share = 1.0
     room_s = max(limit_s - decodes_s, floor_share * decodes_s)
     return max(1, min(chunk, int(room_s / cost.per_token_s)))
 

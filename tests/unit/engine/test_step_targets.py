@@ -97,9 +97,9 @@ def test_a_prefill_keeps_its_floor_when_the_target_is_out_of_reach():
     scheduler.add(request("stream", 2, priority=0, target_s=0.001))  # faster than any step
     model.step()
     scheduler.add(request("document", 400, priority=0, target_s=0.001))
-    # The rest of the step: 10 ms base + 2 sequences + 1 token = 13 ms; a token costs 1 ms:
-    # the prompt's floor is half of it.
-    assert scheduled(model.step()) == {"stream": 1, "document": 6}
+    # The rest of the step: 10 ms base + 2 sequences + 1 token = 13 ms, already past the
+    # target; a token costs 1 ms: the prompt moves at the stream's pace, 13 tokens.
+    assert scheduled(model.step()) == {"stream": 1, "document": 13}
 
 
 def test_a_chunk_late_in_a_long_prompt_is_cut_shorter_than_an_early_one():
