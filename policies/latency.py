@@ -159,11 +159,10 @@ def step_in_progress_s(pool: PoolState) -> float:
     if pool.prefill_step_limit_s is not None:  # the first chunk may take the decodes' time
         decodes_s = pool.cost.step_s(batch, batch)
         step_s = min(step_s, max(pool.prefill_step_limit_s, 2 * decodes_s))
-    limit_s = _decoding_target_s(pool)
-    if limit_s is not None:
-        targeted = sum(1 for s in pool.in_flight if s.prefilled and s.tpot_target_s)
-        own_decodes = _batch(pool, targeted)
-        step_s = min(step_s, max(limit_s, pool.cost.step_s(own_decodes, own_decodes)))
+    targets = [s.tpot_target_s for s in pool.in_flight if s.prefilled and s.tpot_target_s]
+    if targets:
+        own_decodes = _batch(pool, len(targets))
+        step_s = min(step_s, max(min(targets), pool.cost.step_s(own_decodes, own_decodes)))
     return 0.5 * step_s
 
 
@@ -177,13 +176,6 @@ def _prefill_limit_s(pool: PoolState, tpot_target_s: float | None) -> float | No
         for s in pool.in_flight
         if s.tpot_target_s and (s.prefilled or s.tpot_target_s < own_s)
     ]
-    return min(targets, default=None)
-
-
-def _decoding_target_s(pool: PoolState) -> float | None:
-    """The tightest time-per-token target among the pool's decoding sequences: the engine
-    keeps every step within it (None: no sequence with a target decodes)."""
-    targets = [s.tpot_target_s for s in pool.in_flight if s.prefilled and s.tpot_target_s]
     return min(targets, default=None)
 
 
