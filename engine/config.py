@@ -133,6 +133,10 @@ class EngineConfig:
     num_threads: int | None = None
     """torch intra-op threads, applied by the process owner (engine.process.configure_process);
     None leaves torch's default."""
+    num_threads_alone: int | None = None
+    """Threads a step uses while no other engine on this machine has work (engine.elastic_threads):
+    a pool sized to share the cores takes the ones the other pools leave idle. None: always
+    `num_threads`."""
     calibrate_step_cost: bool = False
     """Time a few throwaway steps at start-up (batch 1, a full batch, a full prefill chunk) so
     the step-cost fit, and the latency predictions made from it, start from this machine's
@@ -195,6 +199,13 @@ class EngineConfig:
             )
         if self.stall_timeout_s <= 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
+        alone = self.num_threads_alone
+        if alone is not None and (self.num_threads is None or alone < self.num_threads):
+            raise ValueError(
+                f"num_threads_alone ({alone}) needs num_threads "
+                f"({self.num_threads}), which a step uses while other engines have work, "
+                "and must be >= it"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from engine.elastic_threads import ElasticThreads, NodeDemand
 from engine.engine import LLMEngine
 from engine.messages import AddRequest, Delivery, InboxMessage
 from engine.outputs import EngineStats
@@ -55,6 +56,9 @@ class EngineLoop:
         a process core can place it in shared memory for its parent's health check."""
         self._inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
         self._wake = threading.Event()
+        self._demand = NodeDemand()
+        self.threads = _elastic_threads(engine, self._demand)
+        """The step's thread count by the node's demand; None where the config fixes it."""
 
     def send(self, message: InboxMessage) -> None:
         """Queue a message (from any thread)."""
@@ -69,6 +73,7 @@ class EngineLoop:
             except Exception as exc:  # noqa: BLE001 - fail the live requests, keep serving
                 log.exception("engine loop error; failing every live request")
                 self._fail_all(exc)
+        self._demand.close()
 
     def _loop_once(self) -> None:
         self._drain_inbox()
@@ -76,6 +81,9 @@ class EngineLoop:
             self._wake.wait()
             self._wake.clear()
             return
+        self._demand.mark_busy()
+        if self.threads is not None:
+            self.threads.before_step()
         self._step_started.value = time.monotonic()
         outputs = self.engine.step()
         self._step_started.value = 0.0
@@ -114,6 +122,14 @@ class EngineLoop:
             return []
         aborted = self.engine.abort_request(message.request_id)
         return [] if aborted is None else [(aborted.request_id, aborted)]
+
+
+def _elastic_threads(engine: LLMEngine, demand: NodeDemand) -> ElasticThreads | None:
+    """The engine's thread count by the node's demand, where its config asks for it."""
+    config = engine.config
+    if config.num_threads_alone is None or config.num_threads is None:
+        return None
+    return ElasticThreads(config.num_threads, config.num_threads_alone, demand)
 
 
 class EngineThread:

