@@ -7,14 +7,15 @@ tokens a second with 2 threads here (bench.engine.bench_peer). With
 `EngineConfig.num_threads_alone`, an engine steps with that many threads while no other
 engine on the machine has work, and with `num_threads` as soon as one has.
 
-Every engine loop says when it has work (`NodeDemand.mark_busy`, the modification time of
-a file of its own in a machine-local directory, at most every MARK_INTERVAL_S); an
-elastic engine reads the others' before each step. A file rather than a Ray actor or a
-socket: the engine stays free of Ray, and a read is a directory scan of a few entries.
-An engine counts as busy until STALE_S after its last mark, so a pool between two
-steps, or waiting out a slow one, still holds its core. What a busy engine asks for is
-its demand, not the CPU it got: an engine starved by an elastic one still marks itself,
-and the elastic one gives the core back at its next step.
+Every engine loop says whether it has work (`NodeDemand.set_busy`: a file of its own
+exists in a machine-local directory from its first step with work until it runs out of
+work); an elastic engine reads the others' before each step. A file rather than a Ray
+actor or a socket: the engine stays free of Ray, and a read is a directory scan of a few
+entries. The file stands for the whole time an engine has work, not for a step: a step
+of the offline pool takes up to a second here, and an engine that read "idle" during
+it would take the core that step runs on. What a busy engine declares is its demand,
+not the CPU it got, so an engine starved by an elastic one still counts. A file whose
+process has died (killed before it could remove it) is deleted by the next reader.
 
 Thread count and output: the engine's matmuls and kernels give the same bits at 1 and 2
 threads (checked step by step in tests/unit/engine/test_elastic_threads.py), so a seeded
@@ -25,49 +26,39 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 DEMAND_DIR = Path(tempfile.gettempdir()) / "tierserve-node-demand"
-MARK_INTERVAL_S = 0.1
-STALE_S = 0.5
-"""An engine marked within this long is busy: five marks' worth, so one long step (a
-decode step at 64 sequences is half a second here) does not read as idle."""
-FORGET_AFTER_S = 3600.0
-"""Files of engines gone this long (a killed process never removes its own) are deleted."""
 
 
 class NodeDemand:
-    """This engine's mark of having work, and whether any other engine's is fresh."""
+    """This engine's declaration of having work, and whether any other engine's stands."""
 
     def __init__(self, directory: Path = DEMAND_DIR) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self._directory = directory
         self._own = directory / f"{os.getpid()}-{id(self)}"
-        self._marked_s = 0.0
-        _forget_old(directory)
+        self._busy = False
 
-    def mark_busy(self) -> None:
-        """This engine has work now (a step is about to run)."""
-        now_s = time.time()
-        if now_s - self._marked_s >= MARK_INTERVAL_S:
+    def set_busy(self, busy: bool) -> None:
+        """This engine has work now (a step is about to run), or has none left."""
+        if busy and not self._busy:
             self._own.touch()
-            self._marked_s = now_s
+        elif self._busy and not busy:
+            self._own.unlink(missing_ok=True)
+        self._busy = busy
 
     def others_busy(self) -> bool:
-        """Another engine on this machine marked itself within STALE_S."""
-        fresh_after_s = time.time() - STALE_S
+        """Another live engine on this machine has declared work."""
         with os.scandir(self._directory) as entries:
-            return any(
-                entry.name != self._own.name and _mtime_s(entry) >= fresh_after_s
-                for entry in entries
-            )
+            others = [e.name for e in entries if e.name != self._own.name]
+        return any(_declared_by_live_process(self._directory / name) for name in others)
 
     def close(self) -> None:
-        """This engine is gone: its mark with it."""
-        self._own.unlink(missing_ok=True)
+        """This engine is gone: its declaration with it."""
+        self.set_busy(False)
 
 
 class ElasticThreads:
@@ -85,16 +76,15 @@ class ElasticThreads:
             torch.set_num_threads(threads)
 
 
-def _mtime_s(entry: os.DirEntry) -> float:
+def _declared_by_live_process(path: Path) -> bool:
+    """The declaration's process (the pid its name starts with) still runs; a dead one's
+    file is deleted."""
+    pid = int(path.name.split("-", 1)[0])
     try:
-        return entry.stat().st_mtime
-    except FileNotFoundError:  # removed by its engine since the scan listed it
-        return 0.0
-
-
-def _forget_old(directory: Path) -> None:
-    forget_before_s = time.time() - FORGET_AFTER_S
-    with os.scandir(directory) as entries:
-        for entry in entries:
-            if _mtime_s(entry) < forget_before_s:
-                Path(entry.path).unlink(missing_ok=True)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        path.unlink(missing_ok=True)
+        return False
+    except PermissionError:  # another user's process: alive
+        pass
+    return True

@@ -78,10 +78,11 @@ class EngineLoop:
     def _loop_once(self) -> None:
         self._drain_inbox()
         if not self.engine.has_unfinished():
+            self._demand.set_busy(False)
             self._wake.wait()
             self._wake.clear()
             return
-        self._demand.mark_busy()
+        self._demand.set_busy(True)
         if self.threads is not None:
             self.threads.before_step()
         self._step_started.value = time.monotonic()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 
@@ -12,16 +13,10 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.elastic_threads import (
-    DEMAND_DIR,
-    FORGET_AFTER_S,
-    STALE_S,
-    ElasticThreads,
-    NodeDemand,
-)
+from engine.elastic_threads import DEMAND_DIR, ElasticThreads, NodeDemand
 from engine.engine import LLMEngine
 from engine.engine_loop import EngineLoop
-from engine.messages import AddRequest
+from engine.messages import AbortRequest, AddRequest
 from engine.request import DEFAULT_URGENCY
 from engine.sampling_params import SamplingParams
 
@@ -34,39 +29,44 @@ def torch_threads() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def test_an_engine_sees_the_others_marks_not_its_own(tmp_path) -> None:
+def test_an_engine_sees_the_others_declarations_not_its_own(tmp_path) -> None:
     interactive, offline = NodeDemand(tmp_path), NodeDemand(tmp_path)
     assert not interactive.others_busy()
 
-    offline.mark_busy()
+    offline.set_busy(True)
     assert interactive.others_busy()
     assert not offline.others_busy()
 
+    offline.set_busy(False)
+    assert not interactive.others_busy()
+    offline.set_busy(True)
     offline.close()
     assert not interactive.others_busy()
 
 
-def test_a_mark_older_than_stale_is_idle(tmp_path) -> None:
+def test_a_declaration_stands_however_long_the_step_takes(tmp_path) -> None:
+    """The offline pool's step can take a second: its engine stays busy through it."""
     interactive, offline = NodeDemand(tmp_path), NodeDemand(tmp_path)
-    offline.mark_busy()
-    (mark,) = [p for p in tmp_path.iterdir() if p.name.endswith(str(id(offline)))]
-    old_s = time.time() - STALE_S - 0.1
-    os.utime(mark, (old_s, old_s))
+    offline.set_busy(True)
+    (declared,) = tmp_path.iterdir()
+    an_hour_ago_s = time.time() - 3600
+    os.utime(declared, (an_hour_ago_s, an_hour_ago_s))
 
-    assert not interactive.others_busy()
+    assert interactive.others_busy()
 
 
-def test_marks_left_by_engines_long_gone_are_deleted(tmp_path) -> None:
-    gone = tmp_path / "12345-1"
-    gone.touch()
-    old_s = time.time() - FORGET_AFTER_S - 1
-    os.utime(gone, (old_s, old_s))
-    recent = tmp_path / "12345-2"
-    recent.touch()
+def test_a_dead_process_declaration_is_not_busy_and_is_deleted(tmp_path) -> None:
+    declared = tmp_path / f"{_exited_pid()}-1"
+    declared.touch()
 
-    NodeDemand(tmp_path)
+    assert not NodeDemand(tmp_path).others_busy()
+    assert not declared.exists()
 
-    assert not gone.exists() and recent.exists()
+
+def _exited_pid() -> int:
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
 
 
 def test_an_elastic_engine_takes_its_alone_threads_only_while_the_others_idle(
@@ -78,7 +78,7 @@ def test_an_elastic_engine_takes_its_alone_threads_only_while_the_others_idle(
     threads.before_step()
     assert torch.get_num_threads() == 2
 
-    other.mark_busy()
+    other.set_busy(True)
     threads.before_step()
     assert torch.get_num_threads() == 1
 
@@ -125,23 +125,30 @@ def test_a_seeded_request_is_the_same_bits_whatever_threads_its_steps_ran_on(
     assert changing == one_thread
 
 
-def test_the_engine_loop_marks_its_engine_busy_while_it_steps(make_engine) -> None:
+def test_the_engine_loop_declares_its_engine_busy_while_it_has_work(make_engine) -> None:
     finished: list[str] = []
     loop = EngineLoop(
         make_engine(max_num_seqs=4),
         lambda items, stats: finished.extend(i for i, out in items if getattr(out, "finished", 0)),
         ctypes.c_double(0.0),
     )
-    started_s = time.time()
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    loop.send(AddRequest("marked", [1000] * 8, params, DEFAULT_URGENCY))
+    loop.send(AddRequest("declared", [1000] * 8, params, DEFAULT_URGENCY))
 
+    busy_after_steps = []
     while not finished:
         loop._loop_once()  # one inbox drain and step, as `run` repeats them
+        busy_after_steps.append(bool(_declared_by_this_process()))
+    loop.send(AbortRequest("none"))  # wakes the loop, idle now
+    loop._loop_once()
 
-    own_marks = [p for p in DEMAND_DIR.iterdir() if p.name.startswith(f"{os.getpid()}-")]
-    assert any(p.stat().st_mtime >= started_s - 1 for p in own_marks)
+    assert busy_after_steps and all(busy_after_steps)
+    assert not _declared_by_this_process()
     assert loop.threads is None  # the test engine's config asks for no elastic threads
+
+
+def _declared_by_this_process() -> list[str]:
+    return [p.name for p in DEMAND_DIR.iterdir() if p.name.startswith(f"{os.getpid()}-")]
 
 
 def test_an_engine_configured_alone_threads_steps_elastic(make_engine) -> None:
