@@ -12,7 +12,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import httpx
@@ -106,15 +106,24 @@ def serving(
 
 
 def _wait_healthy(base_url: str) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
+    if not wait_until_ok(f"{base_url}/health", READY_TIMEOUT_S):
+        raise TimeoutError(f"tierserve at {base_url} not healthy after {READY_TIMEOUT_S}s")
+
+
+def wait_until_ok(
+    url: str, timeout_s: float, interval_s: float = 0.5, alive: Callable[[], bool] = lambda: True
+) -> bool:
+    """Poll `url` until it answers 200 (True), or until `timeout_s` passes or the server
+    is no longer `alive()` (False)."""
+    deadline_s = time.monotonic() + timeout_s
+    while time.monotonic() < deadline_s and alive():
         try:
-            if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
-                return
+            if httpx.get(url, timeout=5).status_code == 200:
+                return True
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
-    raise TimeoutError(f"tierserve at {base_url} not healthy after {READY_TIMEOUT_S}s")
+        time.sleep(interval_s)
+    return False
 
 
 def kill_replica(deployment: str) -> str:

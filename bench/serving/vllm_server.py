@@ -13,15 +13,12 @@ import os
 import signal
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-import httpx
-
 from bench.engine.peer import VLLM_ENV, omp_cores
-from testing.local_cluster import free_port
+from testing.local_cluster import free_port, wait_until_ok
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 START_TIMEOUT_S = 600.0
@@ -63,20 +60,12 @@ def vllm_server(
 
 
 def _wait_ready(base_url: str, server: subprocess.Popen, log_path: Path) -> None:
-    """Poll /v1/models until it answers; the server's log tail in the error if it exits
-    or does not answer in time."""
-    deadline_s = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline_s:
-        if server.poll() is not None:
-            break
-        try:
-            if httpx.get(f"{base_url}/v1/models", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    tail = log_path.read_text(errors="replace")[-3000:]
-    raise RuntimeError(f"vLLM's server did not start (exit {server.poll()}):\n{tail}")
+    """Until /v1/models answers; the server's log tail in the error if it exits or does not
+    answer in time."""
+    url = f"{base_url}/v1/models"
+    if not wait_until_ok(url, START_TIMEOUT_S, 2.0, alive=lambda: server.poll() is None):
+        tail = log_path.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"vLLM's server did not start (exit {server.poll()}):\n{tail}")
 
 
 def _stop(server: subprocess.Popen) -> None:
