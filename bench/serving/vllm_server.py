@@ -4,11 +4,13 @@ vLLM pins its own torch, so it runs under the python of a venv of its own (see
 bench/engine/bench_peer.py). Its `vllm serve` entry point fails on package metadata in
 that venv (ENVIRONMENT.md), so the server module is started directly. The same client
 code then streams the same request bodies to it as to tierserve: what differs between
-the two sides is the server alone.
+the two sides is the server alone. vLLM's own benchmark client (`vllm bench serve`,
+bench/serving/vllm_bench_client.py) measures both servers too: a client neither side wrote.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +22,7 @@ from pathlib import Path
 from bench.engine.peer import VLLM_ENV, omp_cores
 from testing.local_cluster import free_port, wait_until_ok
 
+CLIENT_SCRIPT = Path(__file__).with_name("vllm_bench_client.py")
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 START_TIMEOUT_S = 600.0
 """The server loads and compiles its model first: about 75 s here on a quiet machine."""
@@ -36,6 +39,28 @@ def server_command(
         "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
         "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
     ]  # fmt: skip
+
+
+def vllm_bench_serve(
+    python: Path, base_url: str, served_name: str, tokenizer_dir: Path,
+    shape: tuple[int, int], num_prompts: int, concurrency: int,
+) -> dict[str, float]:  # fmt: skip
+    """vLLM's own client (`vllm bench serve`) against any OpenAI server: `num_prompts`
+    random-token prompts of `shape` (prompt, output tokens; EOS ignored) to /v1/completions,
+    `concurrency` at a time. Its result's numbers (`output_throughput`, `median_tpot_ms`...)."""
+    prompt_tokens, output_tokens = shape
+    command = [
+        str(python), str(CLIENT_SCRIPT), "--backend", "openai", "--base-url", base_url,
+        "--endpoint", "/v1/completions", "--model", served_name,
+        "--tokenizer", str(tokenizer_dir), "--dataset-name", "random",
+        "--random-input-len", str(prompt_tokens), "--random-output-len", str(output_tokens),
+        "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
+        "--ignore-eos", "--disable-tqdm", "--seed", "0",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @contextmanager

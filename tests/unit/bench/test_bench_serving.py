@@ -14,7 +14,12 @@ from bench.serving.bench_serving import (
     serve_vs_engine_workloads,
 )
 from bench.serving.closed_loop import COMPLETIONS_PATH, OUTPUT_TOKENS, PROMPT_TOKENS, Prompts
-from bench.serving.vllm_server import SERVER_MODULE, server_command, vllm_server
+from bench.serving.vllm_server import (
+    SERVER_MODULE,
+    server_command,
+    vllm_bench_serve,
+    vllm_server,
+)
 from serving.app_config import load_config
 
 CONFIG = load_config("configs/local.yaml")
@@ -86,3 +91,10 @@ def test_a_vllm_server_that_cannot_start_fails_with_its_log(tmp_path) -> None:
         vllm_server(Path(sys.executable), tmp_path, "m", "float32", 4, threads=1),
     ):
         pass
+
+
+def test_vllm_bench_serve_fails_with_what_its_client_said(tmp_path) -> None:
+    """This venv has no vLLM: the client script cannot import it, and the error says so."""
+    with pytest.raises(RuntimeError, match="No module named 'vllm'"):
+        vllm_bench_serve(Path(sys.executable), "http://127.0.0.1:9", "m", tmp_path,
+                         (128, 64), num_prompts=4, concurrency=4)  # fmt: skip
