@@ -246,12 +246,11 @@ def serve_vs_vllm(
     both cores (at the interactive pool's dtype and batch): tierserve's output tok/s and
     TPOT p50 over vLLM's. `rounds`: the warm-up round, then the measured one. Then what
     vLLM's own client measured of each server."""
-    model_dir = resolve_model_dir(config.pool("interactive").engine.model, default_cache_dir())
+    warm_up, workloads = rounds
+    plan_size = len(workloads[0].bodies)
     dtype = str(config.pool("interactive").engine.torch_dtype).removeprefix("torch.")
-    plan_size = len(rounds[1][0].bodies)
-    with vllm_server(python, model_dir, config.model_name, dtype, SERVE_STREAMS,
+    with vllm_server(python, _model_dir(config), config.model_name, dtype, SERVE_STREAMS,
                      threads=os.cpu_count() or 1) as base_url:  # fmt: skip
-        warm_up, workloads = rounds
         _serve_closed_loops(base_url, warm_up)
         theirs = _serve_closed_loops(base_url, workloads)
         theirs_by_vllm_client = _by_vllm_client(python, base_url, config, plan_size)
@@ -273,10 +272,15 @@ def _by_vllm_client(
     prompts, the serving-path shape, SERVE_STREAMS at a time."""
     if python is None:
         return None
-    tokenizer_dir = resolve_model_dir(config.pool("interactive").engine.model, default_cache_dir())
     log(f"--- vllm bench serve: {num_prompts} random prompts, {SERVE_STREAMS} streams")
-    return vllm_bench_serve(python, base_url, config.model_name, tokenizer_dir,
+    return vllm_bench_serve(python, base_url, config.model_name, _model_dir(config),
                             (PROMPT_TOKENS, OUTPUT_TOKENS), num_prompts, SERVE_STREAMS)  # fmt: skip
+
+
+def _model_dir(config: TierserveConfig) -> Path:
+    """The interactive pool's model as a Hugging Face folder: what vLLM serves, and the
+    tokenizer its client counts with."""
+    return resolve_model_dir(config.pool("interactive").engine.model, default_cache_dir())
 
 
 def _emit_by_vllm_client(
