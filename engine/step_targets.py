@@ -18,8 +18,11 @@ over their time per token meanwhile where the target is in reach; the
 others take only the room left, and none while nothing with a target decodes,
 so a burst of urgent prompts gets its first tokens one prompt apart rather
 than all after every prompt. Work without a target joins only as far as the
-step still fits, and not at all while a more urgent request with a target
-waits.
+step still fits, and not at all while a more urgent request with a target is
+still short of its first token (waiting, or prefilling its prompt): batch
+work is paused for an urgent prompt's whole prefill, not only its first
+chunk, so on a pool full of batch decodes an interactive request's first
+token costs the same as on an idle one.
 
 A pool that urgent work overflows to may also limit in time the prefill of
 work without a target (`prefill_step_limit_s`), by the same rule: chunks are
@@ -56,8 +59,9 @@ class StepTargets:
 
     limit_s: float | None
     """The tightest target among the running requests that decode (None: none)."""
-    waiting_priority: int | None
-    """The most urgent priority among waiting requests with a target (None: none)."""
+    urgent_prompt_priority: int | None
+    """The most urgent priority among requests with a target still short of their first
+    token, waiting or prefilling (None: none)."""
     first_prompt: Request | None
     """The prompt with a target that goes first (`_first_prompt`): only it may take more
     than the room the step has left."""
@@ -71,9 +75,10 @@ class StepTargets:
     ) -> StepTargets:  # fmt: skip
         """The targets of this step's running and waiting requests."""
         decoding = [r.tpot_target_s for r in running if r.tpot_target_s and not r.is_prefilling]
-        queued = [r.priority for r in waiting if r.tpot_target_s is not None]
+        prompts = [r for r in running if r.is_prefilling] + waiting
+        urgent = [r.priority for r in prompts if r.tpot_target_s is not None]
         return cls(
-            min(decoding, default=None), min(queued, default=None),
+            min(decoding, default=None), min(urgent, default=None),
             _first_prompt(running, waiting), step_cost, prefill_step_limit_s,
         )  # fmt: skip
 
@@ -96,9 +101,11 @@ class StepTargets:
             return 0.0
         return PROMPT_FLOOR_SHARE
 
-    def waits_ahead_of(self, request: Request) -> bool:
-        """A more urgent request with a target is waiting: it takes this step's room."""
-        return self.waiting_priority is not None and self.waiting_priority < request.priority
+    def prompt_ahead_of(self, request: Request) -> bool:
+        """A more urgent request with a target is short of its first token: it takes this
+        step's room."""
+        priority = self.urgent_prompt_priority
+        return priority is not None and priority < request.priority
 
     def tokens_in_time(self, request: Request, step: Step, has_prefill: bool) -> int:
         """Tokens `request` may add to the step and keep it predicted within the tightest

@@ -16,10 +16,10 @@ each engine (engine/step_cost.py). Work spreads evenly over replicas.
                   for prefill (while a sequence with a target decodes, or one with a
                   tighter target than the prompt's is about to, of what the tightest
                   target leaves; never less than a share of the decodes' own time);
-                  with a target, the first step holds the less urgent decodes out
-                  (the engine runs no work without a target while a more urgent
-                  request with one waits), so a full batch of batch work costs an
-                  interactive request's first token nothing but its preemption
+                  with a target, no step holds less urgent decodes without a
+                  target (the engine pauses that work until a more urgent request
+                  with a target has its first token), so a full batch of batch work
+                  costs an interactive request's first token nothing but its preemption
     step running = a request joins at a step boundary: while the pool works, it first waits
                   out the step in progress, on average half of one (its decodes and
                   the prompt tokens pending, up to the budget); while a sequence with
@@ -126,17 +126,17 @@ def predict(
     the engine is to keep within `tpot_target_s` per token (None: no target), held to a
     grammar when `constrained`."""
     ahead = [s for s in pool.in_flight if s.priority <= priority]
-    batch = first_batch = _batch(pool, len(pool.in_flight) + 1)
+    batch = prefill_batch = _batch(pool, len(pool.in_flight) + 1)
     tpot_s = pool.cost.step_s(batch, batch)
     if tpot_target_s is not None:  # less urgent work rides along only up to the target
-        first_batch = _batch(pool, len(ahead) + 1)
-        tpot_s = max(pool.cost.step_s(first_batch, first_batch), min(tpot_s, tpot_target_s))
+        prefill_batch = _batch(pool, len(_beside_urgent_prompt(pool, priority)) + 1)
+        tpot_s = max(pool.cost.step_s(prefill_batch, prefill_batch), min(tpot_s, tpot_target_s))
     wait_s = _slot_wait_s(pool, ahead, tpot_s)
     prefill_tokens = num_prompt_tokens + sum(s.num_prompt_tokens for s in ahead if not s.prefilled)
     tokens_per_replica = math.ceil(prefill_tokens / max(1, pool.num_replicas))
     limit_s = _prefill_limit_s(pool, tpot_target_s)
     floor_share = 0.0 if tpot_target_s is None else PROMPT_FLOOR_SHARE
-    prefill_s = _prefill_s(pool, tokens_per_replica, first_batch, batch, limit_s, floor_share)
+    prefill_s = _prefill_s(pool, tokens_per_replica, prefill_batch, limit_s, floor_share)
     mask_s = pool.cost.per_constrained_row_s if constrained else 0.0
     ttft_s = step_in_progress_s(pool) + wait_s + prefill_s + mask_s
     return Prediction(ttft_s=ttft_s, tpot_s=tpot_s + mask_s, num_ahead=len(ahead))
@@ -209,23 +209,23 @@ def _slot_wait_s(pool: PoolState, ahead: Sequence[InFlightSequence], tpot_s: flo
 
 
 def _prefill_s(
-    pool: PoolState, num_tokens: int, first_batch: int, batch: int, limit_s: float | None,
-    floor_share: float,
-) -> float:  # fmt: skip
-    """Steps to compute `num_tokens` prompt tokens on one replica: the first step beside
-    `first_batch - 1` decodes, the later ones beside `batch - 1`; each chunk within the
-    token budget and within `limit_s` (`_chunk`)."""
-    first_chunk = min(num_tokens, _chunk(pool, first_batch - 1, limit_s, floor_share))
-    first_s = pool.cost.step_s(first_batch, first_batch - 1 + first_chunk)
-    rest = num_tokens - first_chunk
-    if rest <= 0:
-        return first_s
+    pool: PoolState, num_tokens: int, batch: int, limit_s: float | None, floor_share: float
+) -> float:
+    """Steps to compute `num_tokens` prompt tokens on one replica, each beside `batch - 1`
+    decodes, each chunk within the token budget and within `limit_s` (`_chunk`)."""
     num_decodes = batch - 1
     chunk = _chunk(pool, num_decodes, limit_s, floor_share)
-    num_steps = math.ceil(rest / chunk)
-    last_chunk = rest - (num_steps - 1) * chunk
+    num_steps = math.ceil(num_tokens / chunk)
+    last_chunk = num_tokens - (num_steps - 1) * chunk
     full = pool.cost.step_s(batch, num_decodes + chunk)
-    return first_s + (num_steps - 1) * full + pool.cost.step_s(batch, num_decodes + last_chunk)
+    return (num_steps - 1) * full + pool.cost.step_s(batch, num_decodes + last_chunk)
+
+
+def _beside_urgent_prompt(pool: PoolState, priority: int) -> list[InFlightSequence]:
+    """The sequences that keep running while a prompt of `priority` with a target prefills:
+    those of equal or more urgent priority, and those with a target of their own (work
+    without one is paused until the prompt's first token: engine/step_targets.py)."""
+    return [s for s in pool.in_flight if s.priority <= priority or s.tpot_target_s is not None]
 
 
 def _chunk(pool: PoolState, num_decodes: int, limit_s: float | None, floor_share: float) -> int:

@@ -23,13 +23,18 @@ is, of equal or more urgent priority. A full queue therefore turns away the
 least urgent tier first, and an interactive request is never refused because
 batch work is queued. A refusal carries a Retry-After from the predicted time
 for the queue to drain, jittered so that refused clients do not return in step.
+
+Batch is shed first (`ShedFirst`): while a `protect` tier is being refused for
+want of time, the tiers that queue on its pools are refused too (`shed_for_urgent`)
+until its Retry-After has passed, so that no new batch work takes the capacity
+the urgent tier is short of.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from policies.latency import PoolState, Prediction, drain_s, predict
 from policies.tiers import Tier
@@ -49,8 +54,9 @@ class Placement:
     """None: refused (429)."""
     reason: str
     """`slo` (predicted within its SLO), `overflow` (first token in time on a busy pool),
-    `downgrade`, `queue`; refusals: `shed_queue_full`, `shed_slo`, and `unavailable`
-    (no pool of the tier has a live replica: a 503, not a 429)."""
+    `downgrade`, `queue`; refusals: `shed_queue_full`, `shed_slo`, `shed_for_urgent`
+    (`ShedFirst`), and `unavailable` (no pool of the tier has a live replica: a 503,
+    not a 429)."""
     prediction: Prediction | None = None
     retry_after_s: int | None = None
 
@@ -187,3 +193,31 @@ def _home_tpot_s(tier: Tier, predictions: Mapping[str, Prediction]) -> float:
 
 def _meets(tier: Tier, prediction: Prediction) -> bool:
     return prediction.ttft_s * 1000 <= tier.ttft_ms and prediction.tpot_s * 1000 <= tier.tpot_ms
+
+
+@dataclass
+class ShedFirst:
+    """Batch is shed first: the pools a `protect` tier is being refused on, and until when;
+    requests of the tiers that queue there are refused meanwhile. One per ingress replica
+    (each sees its own refusals: a replica that refuses nothing holds nothing back)."""
+
+    until_s: dict[str, float] = field(default_factory=dict)
+    """Pool name: the monotonic time its hold ends."""
+
+    def note(self, tier: Tier, placement: Placement, now_s: float) -> None:
+        """Hold the tier's pools for a `protect` tier's `shed_slo` Retry-After."""
+        if tier.on_slo_miss != "protect" or placement.reason != "shed_slo":
+            return
+        until_s = now_s + (placement.retry_after_s or MIN_RETRY_AFTER_S)
+        for pool in filter(None, (tier.pool, tier.overflow_pool)):
+            self.until_s[pool] = max(self.until_s.get(pool, 0.0), until_s)
+
+    def refusal(self, tier: Tier, now_s: float) -> Placement | None:
+        """The `shed_for_urgent` refusal of a request of `tier` while its pool is held (a
+        tier that queues), with the rest of the hold as its Retry-After; None otherwise."""
+        left_s = self.until_s.get(tier.pool, 0.0) - now_s
+        if tier.on_slo_miss != "queue" or left_s <= 0:
+            return None
+        return Placement(
+            None, "shed_for_urgent", retry_after_s=max(MIN_RETRY_AFTER_S, math.ceil(left_s))
+        )

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from policies.difficulty import DifficultyModel, prompt_features
 from policies.model_routing import ModelChoice, ModelRoutes, choose_model
-from policies.placement import RequestShape, place
+from policies.placement import RequestShape, ShedFirst, place
 from policies.tiers import Tier, resolve_tier
 from serving.config import CallerPolicy, IngressConfig
 from serving.http.accepted import AcceptedRequest
@@ -61,6 +61,7 @@ class Planner:
         self._monitor = monitor
         self._telemetry = telemetry
         self._tokenizer = tokenizer
+        self._shed_first = ShedFirst()
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -86,7 +87,11 @@ class Planner:
             constrained=bool(body.grammar_params()),
         )
         choice = self._choose_model(body, tier, longest)
-        placement = place(choice.tier, shape, self._monitor.states(), jitter=random.random())
+        now_s = time.monotonic()
+        placement = self._shed_first.refusal(choice.tier, now_s) or place(
+            choice.tier, shape, self._monitor.states(), jitter=random.random()
+        )
+        self._shed_first.note(choice.tier, placement, now_s)
         admission.placement = placement
         if placement.reason == "unavailable" and choice.model == self._models.small_model:
             why = self._monitor.unavailable_reason(choice.tier.pool)

@@ -78,6 +78,16 @@ def test_an_urgent_request_with_a_target_waiting_takes_the_step_from_batch_decod
     assert scheduled(model.step()) == {"chat": 30}
 
 
+def test_batch_decodes_stay_out_until_the_urgent_prompt_has_its_first_token():
+    scheduler, model = batch_decoding(3)
+    scheduler.add(request("chat", 150, priority=0, target_s=TARGET_S))
+    assert scheduled(model.step()) == {"chat": 64}  # the budget: the prompt is chunked
+    assert scheduled(model.step()) == {"chat": 64}, "still prefilling: batch stays paused"
+    assert scheduled(model.step()) == {"chat": 22}
+    tokens = scheduled(model.step())  # chat decodes: batch rides along within its target
+    assert "chat" in tokens and len(tokens) > 1
+
+
 def test_a_long_prompt_beside_decoding_streams_is_cut_to_the_streams_target():
     scheduler = with_cost(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=512)
     model = FakeModel(scheduler)
@@ -245,4 +255,3 @@ def test_only_the_first_prompt_keeps_the_floor():
     tokens = scheduled(model.step())
     assert tokens.get("next0", 0) >= 6 and "next1" not in tokens
     assert predicted_s(scheduler, tokens) <= 1.5 * predicted_s(scheduler, {"chat": 1}) + 2e-3
-

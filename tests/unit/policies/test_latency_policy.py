@@ -111,17 +111,27 @@ def test_a_target_keeps_less_urgent_work_out_of_the_time_per_token():
     assert tight.tpot_s == pytest.approx(COST.step_s(1, 1))  # out of reach: alone at best
 
 
-def test_a_target_keeps_less_urgent_decodes_out_of_the_first_tokens_step():
+def test_a_target_keeps_less_urgent_decodes_out_of_its_prompts_steps():
     bulk = replace(pool("bulk", decoding(2, 60), max_num_seqs=64), max_num_batched_tokens=1024)
     untargeted = predict(bulk, priority=0, num_prompt_tokens=128)
     targeted = predict(bulk, priority=0, num_prompt_tokens=128, tpot_target_s=0.025)
     in_progress = 0.5 * COST.step_s(60, 60)  # the batch's decode step: waited out either way
     assert untargeted.ttft_s == pytest.approx(in_progress + COST.step_s(61, 60 + 128))
     assert targeted.ttft_s == pytest.approx(in_progress + COST.step_s(1, 128))  # held back
-    # Past its first chunk a prompt is running, and the batch's decodes ride along again.
+    # A prompt longer than the budget: the batch's decodes stay out of every chunk.
     long = predict(bulk, priority=0, num_prompt_tokens=1500, tpot_target_s=0.025)
-    then = COST.step_s(1, 1024) + COST.step_s(61, 60 + 476)
+    then = COST.step_s(1, 1024) + COST.step_s(1, 476)
     assert long.ttft_s == pytest.approx(in_progress + then)
+
+
+def test_less_urgent_decodes_with_a_target_keep_running_beside_an_urgent_prompt():
+    """Only work without a target pauses for an urgent prompt: standard's decodes, which
+    have a target of their own, ride along with its chunk."""
+    standard = [replace(s, tpot_target_s=0.5) for s in decoding(1, 3)]  # loose: no chunking
+    mixed = pool("bulk", standard + decoding(2, 20), max_num_seqs=64)
+    targeted = predict(mixed, priority=0, num_prompt_tokens=128, tpot_target_s=0.025)
+    in_progress = step_in_progress_s(mixed)
+    assert targeted.ttft_s == pytest.approx(in_progress + COST.step_s(4, 3 + 128))
 
 
 def test_replicas_share_the_load():
