@@ -44,11 +44,13 @@ class SharedCluster:
 
     Starting and stopping a cluster costs tens of seconds on two cores; tests that
     deploy one app after another share one (the integration tests' conftest holds it),
-    each block deploying its app and deleting it. A module that starts a cluster of its
-    own stops the shared one first (`stop`)."""
+    each block deploying its app and deleting it, or keeping it for the next (`deploy`).
+    A module that starts a cluster of its own stops the shared one first (`stop`)."""
 
     port: int | None = None
     """Serve's HTTP port while the cluster runs."""
+    kept: tuple[TierserveConfig, EngineFactory | None] | None = None
+    """The config and engine class of the app a `keep` block left deployed."""
 
     @classmethod
     def start(cls) -> int:
@@ -63,8 +65,23 @@ class SharedCluster:
     def stop(cls) -> None:
         if cls.port is not None:
             cls.port = None
+            cls.kept = None
             serve.shutdown()
             ray.shutdown()
+
+    @classmethod
+    def deploy(cls, config: TierserveConfig, engine_cls: EngineFactory | None, keep: bool) -> None:
+        """Run the app and wait until /health answers 200, unless a `keep` block left this
+        very app deployed and this one keeps it too; an app kept for another is deleted."""
+        app = (config, engine_cls)
+        if keep and cls.kept == app:
+            return
+        if cls.kept is not None:
+            cls.kept = None
+            serve.delete("tierserve")
+        serve.run(build_app(config, engine_cls), name="tierserve", route_prefix="/", blocking=False)
+        _wait_healthy(f"http://127.0.0.1:{cls.port}")
+        cls.kept = app if keep else None
 
 
 def _start_ray() -> None:
@@ -80,13 +97,19 @@ def _start_ray() -> None:
 
 @contextmanager
 def serving(
-    config: TierserveConfig, engine_cls: EngineFactory | None = None, shared: bool = False
+    config: TierserveConfig,
+    engine_cls: EngineFactory | None = None,
+    shared: bool = False,
+    keep: bool = False,
 ) -> Iterator[str]:
     """Run the app until the block ends; yields its base URL once /health answers 200.
 
     On a cluster of its own, started and stopped around the block, or with `shared` on
-    the SharedCluster. A private cluster tests or measures what is cached: a small pool
-    without a student waits rather than distil in the background (minutes of both cores)."""
+    the SharedCluster. With `keep` too the app outlives the block, and the next `keep`
+    block of the same config and engine class serves from it: starting real engines costs
+    25-45 s of both cores (SharedCluster.deploy). A private cluster tests or measures what
+    is cached: a small pool without a student waits rather than distil in the background
+    (minutes of both cores)."""
     pools = tuple(p.model_copy(update={"distill_if_missing": False}) for p in config.pools)
     config = config.model_copy(update={"pools": pools})
     own = not shared
@@ -94,14 +117,12 @@ def serving(
         SharedCluster.stop()
     port = SharedCluster.start()
     try:
-        serve.run(build_app(config, engine_cls), name="tierserve", route_prefix="/", blocking=False)
-        base_url = f"http://127.0.0.1:{port}"
-        _wait_healthy(base_url)
-        yield base_url
+        SharedCluster.deploy(config, engine_cls, keep)
+        yield f"http://127.0.0.1:{port}"
     finally:
         if own:
             SharedCluster.stop()
-        else:
+        elif SharedCluster.kept is None:
             serve.delete("tierserve")
 
 

@@ -79,10 +79,12 @@ def exact_config(max_model_len: int = 1024, **updates: Any) -> TierserveConfig:
 
 
 @contextmanager
-def serving(config: TierserveConfig, engine_cls: EngineFactory | None = None) -> Iterator[str]:
+def serving(
+    config: TierserveConfig, engine_cls: EngineFactory | None = None, keep: bool = False
+) -> Iterator[str]:
     """The app on the shared cluster (tests/integration/conftest.py holds it), deleted
-    when the block ends."""
-    with local_cluster.serving(config, engine_cls, shared=True) as base_url:
+    when the block ends, or with `keep` left for the next block that keeps the same app."""
+    with local_cluster.serving(config, engine_cls, shared=True, keep=keep) as base_url:
         yield base_url
 
 

@@ -1,17 +1,14 @@
 """`/v1/embeddings` end to end: the real `openai` client, real Ray Serve, the real model's
-engines (two fp32 pools), on the shared cluster."""
+engines (fp32 pools): the app of `real_app_url` (tests/integration/conftest.py)."""
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
 
 import httpx
 import numpy as np
 import openai
 import pytest
-
-from testing.serve_harness import exact_config, serving
 
 MODEL = "SmolLM2-135M-Instruct"
 HIDDEN_SIZE = 576
@@ -19,17 +16,6 @@ TEXTS = ["What is the capital of France?", "Paris is lovely in spring.", "2 + 2 
 TOLERANCE = 5e-4
 """fp32 engines: a vector computed in a batch of four differs from one computed alone only
 in the last bits of its matmuls' sums."""
-
-
-@pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    with serving(exact_config()) as url:
-        yield url
-
-
-@pytest.fixture
-def client(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
 
 
 def _floats(base_url: str, **body: object) -> tuple[list[list[float]], dict]:
@@ -40,8 +26,10 @@ def _floats(base_url: str, **body: object) -> tuple[list[list[float]], dict]:
     return [item["embedding"] for item in document["data"]], document
 
 
-def test_the_openai_client_embeds_a_string_with_usage(client: openai.OpenAI, tokenizer) -> None:
-    raw = client.embeddings.with_raw_response.create(model=MODEL, input=TEXTS[0])
+def test_the_openai_client_embeds_a_string_with_usage(
+    real_client: openai.OpenAI, tokenizer
+) -> None:
+    raw = real_client.embeddings.with_raw_response.create(model=MODEL, input=TEXTS[0])
     result = raw.parse()  # the client asked for base64 and decoded it
     [item] = result.data
     vector = np.array(item.embedding)
@@ -52,38 +40,38 @@ def test_the_openai_client_embeds_a_string_with_usage(client: openai.OpenAI, tok
     assert result.model == MODEL and raw.headers["x-tierserve-tier"] == "standard"
 
 
-def test_inputs_embedded_together_equal_each_embedded_alone(client: openai.OpenAI) -> None:
-    together = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
+def test_inputs_embedded_together_equal_each_embedded_alone(real_client: openai.OpenAI) -> None:
+    together = real_client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
     assert [item.index for item in together.data] == [0, 1, 2, 3]
     for text, item in zip(TEXTS, together.data, strict=True):
-        alone = client.embeddings.create(model=MODEL, input=text, encoding_format="float")
+        alone = real_client.embeddings.create(model=MODEL, input=text, encoding_format="float")
         np.testing.assert_allclose(item.embedding, alone.data[0].embedding, atol=TOLERANCE)
     similar = np.array(together.data[0].embedding) @ np.array(together.data[1].embedding)
     assert similar < 0.999  # different texts, different vectors
 
 
-def test_token_ids_embed_as_their_text(client: openai.OpenAI, tokenizer) -> None:
+def test_token_ids_embed_as_their_text(real_client: openai.OpenAI, tokenizer) -> None:
     ids = [tokenizer.encode(t) for t in TEXTS[:2]]
-    by_ids = client.embeddings.create(model=MODEL, input=ids, encoding_format="float")
-    by_text = client.embeddings.create(model=MODEL, input=TEXTS[:2], encoding_format="float")
+    by_ids = real_client.embeddings.create(model=MODEL, input=ids, encoding_format="float")
+    by_text = real_client.embeddings.create(model=MODEL, input=TEXTS[:2], encoding_format="float")
     for a, b in zip(by_ids.data, by_text.data, strict=True):
         np.testing.assert_allclose(a.embedding, b.embedding, atol=TOLERANCE)
-    one = client.embeddings.create(model=MODEL, input=ids[0], encoding_format="float")
+    one = real_client.embeddings.create(model=MODEL, input=ids[0], encoding_format="float")
     np.testing.assert_allclose(one.data[0].embedding, by_text.data[0].embedding, atol=TOLERANCE)
 
 
-def test_base64_decodes_to_the_float_vector(base_url: str) -> None:
-    floats, _ = _floats(base_url, input=TEXTS[:2], encoding_format="float")
-    encoded, document = _floats(base_url, input=TEXTS[:2], encoding_format="base64")
+def test_base64_decodes_to_the_float_vector(real_app_url: str) -> None:
+    floats, _ = _floats(real_app_url, input=TEXTS[:2], encoding_format="float")
+    encoded, document = _floats(real_app_url, input=TEXTS[:2], encoding_format="base64")
     for vector, text in zip(floats, encoded, strict=True):
         decoded = np.frombuffer(base64.b64decode(text), dtype="<f4")
         np.testing.assert_allclose(decoded, vector, atol=TOLERANCE)
     assert document["object"] == "list" and document["data"][0]["object"] == "embedding"
 
 
-def test_the_batch_tier_embeds_on_the_offline_pool(base_url: str) -> None:
+def test_the_batch_tier_embeds_on_the_offline_pool(real_app_url: str) -> None:
     response = httpx.post(
-        f"{base_url}/v1/embeddings", json={"model": MODEL, "input": "Hello"},
+        f"{real_app_url}/v1/embeddings", json={"model": MODEL, "input": "Hello"},
         headers={"X-SLA-Tier": "batch"}, timeout=120,
     )  # fmt: skip
     assert response.status_code == 200 and response.headers["x-tierserve-pool"] == "offline"
@@ -108,14 +96,18 @@ def test_the_batch_tier_embeds_on_the_offline_pool(base_url: str) -> None:
         ({"input": "a", "tier": "gold"}, "tier"),
     ],
 )  # fmt: skip
-def test_bad_input_is_an_openai_400_naming_the_field(base_url: str, body: dict, param: str) -> None:
-    response = httpx.post(f"{base_url}/v1/embeddings", json={"model": MODEL, **body}, timeout=60)
+def test_bad_input_is_an_openai_400_naming_the_field(
+    real_app_url: str, body: dict, param: str
+) -> None:
+    response = httpx.post(
+        f"{real_app_url}/v1/embeddings", json={"model": MODEL, **body}, timeout=60
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param, error
 
 
-def test_an_unknown_model_is_a_404(client: openai.OpenAI) -> None:
+def test_an_unknown_model_is_a_404(real_client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
-        client.embeddings.create(model="no-such-model", input="a")
+        real_client.embeddings.create(model="no-such-model", input="a")

@@ -157,12 +157,25 @@ def test_stats_report_the_pools_capacity(make_engine):
     assert stats.kv_max_num_seqs == 64 // (256 // 16)
 
 
+@pytest.fixture(scope="module")
+def quality_rows() -> list[dict]:
+    """The first 16 quality prompts."""
+    return read_rows(DEFAULT_CALIBRATION_PATH)[:16]
+
+
+@pytest.fixture(scope="module")
+def fp32_cache_scores(make_engine, quality_rows) -> list[list[tuple[float, int]]]:
+    """The fp32 cache's continuation scores: the baseline of every KV dtype, scored once."""
+    return continuation_scores(make_engine(), quality_rows)
+
+
 @pytest.mark.slow  # left out of `make test-fast`; `make test` runs it
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_greedy_on_a_quantized_cache_agrees_with_the_fp32_cache(make_engine, kv_dtype):
-    rows = read_rows(DEFAULT_CALIBRATION_PATH)[:16]
-    base = continuation_scores(make_engine(), rows)
-    quality = compare_scores(base, continuation_scores(make_engine(kv_cache_dtype=kv_dtype), rows))
+def test_greedy_on_a_quantized_cache_agrees_with_the_fp32_cache(
+    make_engine, quality_rows, fp32_cache_scores, kv_dtype
+):
+    quantized = continuation_scores(make_engine(kv_cache_dtype=kv_dtype), quality_rows)
+    quality = compare_scores(fp32_cache_scores, quantized)
     assert quality["top1_agreement"] >= MIN_TOP1[kv_dtype], quality
     assert quality["ppl_ratio"] == pytest.approx(1.0, abs=MAX_PPL_CHANGE[kv_dtype]), quality
 

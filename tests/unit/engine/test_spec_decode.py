@@ -375,11 +375,11 @@ def choose_fruit(engine: LLMEngine, seeds: range) -> dict[int, str]:
 
 @pytest.mark.slow  # left out of `make test-fast`; `make test` runs it
 @pytest.mark.parametrize("spec", [NGRAM, WEAK_DRAFT], ids=["ngram", "draft4layers"])
-def test_constrained_speculation_keeps_the_distribution_and_each_seed(engine_for, spec):
+def test_constrained_speculation_keeps_the_distribution_and_each_seed(engine_for, plain_run, spec):
     """Constrained, speculating (prompt lookup, a 4-layer draft) and not: the choices are
     distributed alike over distinct seeds (total variation), and each seed's answer is
-    the one decoding without drafts gives."""
-    plain = choose_fruit(engine_for(None), range(2 * NUM_CONSTRAINED))
+    the one decoding without drafts gives (computed once for both proposers)."""
+    plain = plain_run(choose_fruit, range(2 * NUM_CONSTRAINED))
     engine = engine_for(spec)
     before = engine.stats()
     speculated = choose_fruit(engine, range(NUM_CONSTRAINED))
