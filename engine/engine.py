@@ -245,6 +245,7 @@ def _spec_stats(spec: Speculator | None) -> dict:
         spec_num_drafts=spec.num_drafts,
         spec_num_draft_tokens=spec.num_draft_tokens,
         spec_num_accepted_tokens=spec.num_accepted_tokens,
+        spec_num_decode_rows=spec.num_decode_rows,
         spec_accepted_per_pos=list(spec.accepted_per_pos),
     )
 

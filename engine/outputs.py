@@ -140,6 +140,9 @@ class EngineStats:
     """Draft tokens proposed; with the next counter, the acceptance rate."""
     spec_num_accepted_tokens: int = 0
     """Draft tokens the target model accepted."""
+    spec_num_decode_rows: int = 0
+    """Sequences that decoded, summed over steps, drafting or not: per decode, the draft
+    tokens computed and the tokens gained (`spec_tokens_per_decode`)."""
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     """Accepted drafts at each draft position: where acceptance falls off."""
 
@@ -156,6 +159,15 @@ class EngineStats:
         if not self.spec_num_draft_tokens:
             return 0.0
         return self.spec_num_accepted_tokens / self.spec_num_draft_tokens
+
+    @property
+    def spec_tokens_per_decode(self) -> tuple[float, float]:
+        """Per sequence and decode step, on average: the tokens it computes (1 plus its
+        drafts) and the tokens it gains (1 plus those accepted); (1, 1) without drafts."""
+        rows = self.spec_num_decode_rows
+        if not rows:
+            return 1.0, 1.0
+        return 1 + self.spec_num_draft_tokens / rows, 1 + self.spec_num_accepted_tokens / rows
 
     @property
     def spec_mean_accepted_len(self) -> float:

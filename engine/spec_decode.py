@@ -273,6 +273,9 @@ class Speculator:
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_decode_rows = 0
+        """Sequences that decoded, summed over steps, with a draft or without: per decode,
+        draft tokens computed and tokens gained (the latency model's view of speculation)."""
         self.accepted_per_pos = [0] * self.max_k
 
     def propose(self, running: list[Request]) -> dict[Request, Proposal]:
@@ -301,11 +304,15 @@ class Speculator:
         drafts: dict[Request, Proposal],
         seconds: float,
     ) -> None:
-        """Fit the decode-step cost on a step that only decoded (drafts included)."""
-        for request, num_new in num_new_tokens.items():
-            num_drafts = len(drafts[request].token_ids) if request in drafts else 0
-            if num_new != 1 + num_drafts:
-                return  # a prefill chunk rode along: not a decode step
+        """Count the step's decodes; fit the decode-step cost on a step that only decoded
+        (drafts included)."""
+        decodes = [
+            num_new == 1 + (len(drafts[request].token_ids) if request in drafts else 0)
+            for request, num_new in num_new_tokens.items()
+        ]
+        self.num_decode_rows += sum(decodes)
+        if not all(decodes):
+            return  # a prefill chunk rode along: not a decode step
         num_drafts = sum(num_new_tokens.values()) - len(num_new_tokens)
         self.decode_cost.observe(len(num_new_tokens), num_drafts, seconds)
 

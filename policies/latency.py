@@ -26,8 +26,12 @@ each engine (engine/step_cost.py). Work spreads evenly over replicas.
                   a target decodes, the engine keeps every step within that target, and
                   a pool's prefill step limit keeps it within the limit or twice its decodes
     TTFT        = step running + slot wait + prefill
-    TPOT        = one decode step at the batch the request will run in; with a
-                  target, less urgent sequences join only up to it
+    TPOT        = one decode step at the batch the request will run in, over the
+                  tokens a sequence gains in it; with a target, less urgent sequences
+                  join only up to it
+    speculation = on a pool that drafts, a decoding sequence computes 1 + its drafts
+                  in each step and gains 1 + those accepted (the pool's measured
+                  means): both the decodes' share of a step and TPOT follow them
     constrained = a request held to a grammar adds its row's mask (measured by each
                   replica, engine/grammar.py) to every step it samples in: once to
                   TTFT, once to TPOT
@@ -56,7 +60,7 @@ class StepCost:
     per_constrained_row_s: float = 0.0
     """Filling and applying one row's grammar mask (engine/grammar.py `mask_cost_s`)."""
 
-    def step_s(self, num_seqs: int, num_tokens: int) -> float:
+    def step_s(self, num_seqs: int, num_tokens: float) -> float:
         """Predicted duration of a step over `num_seqs` sequences computing `num_tokens`."""
         return self.base_s + self.per_seq_s * num_seqs + self.per_token_s * num_tokens
 
@@ -98,6 +102,19 @@ class PoolState:
     prefill_step_limit_s: float | None = None
     """The engine's limit on a step's prefill (its first chunk may still take as long as
     the step's decodes; engine/step_targets.py). None: only the token budget."""
+    tokens_computed_per_decode: float = 1.0
+    """Tokens a decoding sequence computes in a step: 1, plus its drafts on a pool that
+    speculates (EngineStats.spec_tokens_per_decode)."""
+    tokens_gained_per_decode: float = 1.0
+    """Tokens a decoding sequence gains in a step: 1, plus its accepted drafts."""
+
+    def decode_tokens(self, num_seqs: int) -> float:
+        """Tokens `num_seqs` decoding sequences compute in one step, drafts included."""
+        return num_seqs * self.tokens_computed_per_decode
+
+    def decode_step_s(self, num_seqs: int) -> float:
+        """One step of `num_seqs` sequences that only decode."""
+        return self.cost.step_s(num_seqs, self.decode_tokens(num_seqs))
 
     @property
     def num_slots(self) -> int:
@@ -127,10 +144,11 @@ def predict(
     grammar when `constrained`."""
     ahead = [s for s in pool.in_flight if s.priority <= priority]
     batch = prefill_batch = _batch(pool, len(pool.in_flight) + 1)
-    tpot_s = pool.cost.step_s(batch, batch)
+    step_s = pool.decode_step_s(batch)
     if tpot_target_s is not None:  # less urgent work rides along only up to the target
         prefill_batch = _batch(pool, len(_beside_urgent_prompt(pool, priority)) + 1)
-        tpot_s = max(pool.cost.step_s(prefill_batch, prefill_batch), min(tpot_s, tpot_target_s))
+        step_s = max(pool.decode_step_s(prefill_batch), min(step_s, tpot_target_s))
+    tpot_s = step_s / pool.tokens_gained_per_decode
     wait_s = _slot_wait_s(pool, ahead, tpot_s)
     prefill_tokens = num_prompt_tokens + sum(s.num_prompt_tokens for s in ahead if not s.prefilled)
     tokens_per_replica = math.ceil(prefill_tokens / max(1, pool.num_replicas))
@@ -154,15 +172,15 @@ def step_in_progress_s(pool: PoolState) -> float:
     replicas = max(1, pool.num_replicas)
     batch = _batch(pool, len(pool.in_flight))
     pending = sum(s.num_prompt_tokens for s in pool.in_flight if not s.prefilled)
-    tokens = min(pool.max_num_batched_tokens, batch + math.ceil(pending / replicas))
+    tokens = min(pool.max_num_batched_tokens, pool.decode_tokens(batch) + pending / replicas)
     step_s = pool.cost.step_s(batch, tokens)
     if pool.prefill_step_limit_s is not None:  # the first chunk may take the decodes' time
-        decodes_s = pool.cost.step_s(batch, batch)
+        decodes_s = pool.decode_step_s(batch)
         step_s = min(step_s, max(pool.prefill_step_limit_s, 2 * decodes_s))
     targets = [s.tpot_target_s for s in pool.in_flight if s.prefilled and s.tpot_target_s]
     if targets:
         own_decodes = _batch(pool, len(targets))
-        step_s = min(step_s, max(min(targets), pool.cost.step_s(own_decodes, own_decodes)))
+        step_s = min(step_s, max(min(targets), pool.decode_step_s(own_decodes)))
     return 0.5 * step_s
 
 
@@ -183,7 +201,7 @@ def drain_s(pool: PoolState, num_sequences: int) -> float:
     """Time for `num_sequences` of the pool's running sequences to finish: how long a
     client refused for a full queue should wait before trying again."""
     batch = min(pool.max_num_seqs, math.ceil(len(pool.in_flight) / max(1, pool.num_replicas)))
-    tpot_s = pool.cost.step_s(max(1, batch), max(1, batch))
+    tpot_s = pool.decode_step_s(max(1, batch)) / pool.tokens_gained_per_decode
     return num_sequences / pool.num_slots * _mean_remaining(pool.in_flight) * tpot_s
 
 
@@ -217,8 +235,9 @@ def _prefill_s(
     chunk = _chunk(pool, num_decodes, limit_s, floor_share)
     num_steps = math.ceil(num_tokens / chunk)
     last_chunk = num_tokens - (num_steps - 1) * chunk
-    full = pool.cost.step_s(batch, num_decodes + chunk)
-    return (num_steps - 1) * full + pool.cost.step_s(batch, num_decodes + last_chunk)
+    decode_tokens = pool.decode_tokens(num_decodes)
+    full = pool.cost.step_s(batch, decode_tokens + chunk)
+    return (num_steps - 1) * full + pool.cost.step_s(batch, decode_tokens + last_chunk)
 
 
 def _beside_urgent_prompt(pool: PoolState, priority: int) -> list[InFlightSequence]:
@@ -233,11 +252,11 @@ def _chunk(pool: PoolState, num_decodes: int, limit_s: float | None, floor_share
     under a time-per-token limit what the limit leaves, never less than `floor_share` of
     the decodes' own time (all of it when they alone pass the limit; engine/step_targets.py),
     and always at least one token."""
-    chunk = max(1, pool.max_num_batched_tokens - num_decodes)
+    chunk = max(1, pool.max_num_batched_tokens - math.ceil(pool.decode_tokens(num_decodes)))
     cost = pool.cost
     if limit_s is None or cost.per_token_s <= 0:
         return chunk
-    decodes_s = cost.step_s(num_decodes + 1, num_decodes)
+    decodes_s = cost.step_s(num_decodes + 1, pool.decode_tokens(num_decodes))
     if floor_share > 0 and decodes_s >= limit_s:  # out of reach: at the decodes' pace
         floor_share = 1.0
     room_s = max(limit_s - decodes_s, floor_share * decodes_s)

@@ -23,7 +23,8 @@ FAIL_MARKER = "<fake-fault>"
 FAKE_EMBEDDING_DIM = 32
 """Length of the fake engine's embeddings."""
 FAKE_NUM_DRAFTS = 10
-"""Drafts a speculating fake reports, each as long as `spec_accepted_per_pos`."""
+"""Drafts a speculating fake reports, each as long as `spec_accepted_per_pos`, over twice
+as many decodes (every other decode drafted)."""
 
 
 class FakeTokenizer:
@@ -181,6 +182,7 @@ class FakeEngine:
             spec_num_draft_tokens=FAKE_NUM_DRAFTS * len(self.spec_accepted_per_pos),
             spec_num_accepted_tokens=sum(self.spec_accepted_per_pos),
             spec_accepted_per_pos=list(self.spec_accepted_per_pos),
+            spec_num_decode_rows=2 * FAKE_NUM_DRAFTS if self.spec_accepted_per_pos else 0,
         )
 
     def is_alive(self) -> bool:

@@ -95,6 +95,7 @@ class PoolMonitor:
         """The pool now, as placement reads it (policies/latency.py)."""
         config = self._pools[pool]
         stats = self.replica_stats(pool)
+        computed, gained = _tokens_per_decode(stats)
         return PoolState(
             name=pool,
             num_replicas=len(stats),
@@ -106,6 +107,8 @@ class PoolMonitor:
             cost_per_1k_tokens=config.estimated_cost_per_1k_tokens,
             max_request_tokens=config.max_request_tokens,
             prefill_step_limit_s=config.engine.prefill_step_limit_s,
+            tokens_computed_per_decode=computed,
+            tokens_gained_per_decode=gained,
         )
 
     def states(self) -> dict[str, PoolState]:
@@ -154,6 +157,7 @@ class PoolMonitor:
         live = self._live(pool)
         if not live:
             return StepCost(0.0, 0.0, 0.0)
+
         def mean(term: Callable[[_Seen], float]) -> float:
             return sum(term(seen) for seen in live) / len(live)
 
@@ -204,3 +208,15 @@ class PoolMonitor:
                 self._replicas[pool][result.replica_id] = seen
                 self._max_model_len[pool] = result.max_model_len
                 self._unavailable.pop(pool, None)
+
+
+def _tokens_per_decode(stats: list[EngineStats]) -> tuple[float, float]:
+    """A decoding sequence's tokens computed and gained per step, over the live replicas'
+    speculation so far ((1, 1) where none speculates)."""
+    if not stats:
+        return 1.0, 1.0
+    pairs = [s.spec_tokens_per_decode for s in stats]
+    return (
+        sum(computed for computed, _ in pairs) / len(pairs),
+        sum(gained for _, gained in pairs) / len(pairs),
+    )

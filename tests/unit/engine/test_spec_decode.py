@@ -206,6 +206,9 @@ def test_greedy_parity_mixed_batch_with_preemption(engine_for, plain_run, spec, 
     assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
     assert 0 < stats.spec_acceptance_rate < 1
     assert 1 < stats.spec_mean_accepted_len < 1 + spec.num_speculative_tokens
+    computed, gained = stats.spec_tokens_per_decode
+    assert stats.spec_num_decode_rows >= stats.spec_num_drafts
+    assert 1 < gained < computed <= 1 + spec.num_speculative_tokens
 
 
 def test_default_model_as_its_own_draft_accepts_everything(engine_for):

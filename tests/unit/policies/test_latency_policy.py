@@ -369,3 +369,16 @@ def test_a_prompt_behind_a_tighter_target_in_flight_gets_only_the_room_it_leaves
     assert standard > predict(free, 1, 200, tpot_target_s=0.5).ttft_s
     as_tight = predict(held, 0, 200, tpot_target_s=0.02).ttft_s
     assert as_tight < standard  # the floor: a chunk as long as the decodes, whatever the target
+
+
+def test_a_speculating_pool_prices_its_decodes_drafts_and_gains_what_is_accepted():
+    """Each decode computes 1 + 3 drafts and gains 2 tokens a step: TPOT is a step of four
+    tokens a sequence over two, and a prompt's chunk gets the budget the drafts leave."""
+    plain = pool("fast", decoding(0, 2))
+    drafting = replace(plain, tokens_computed_per_decode=4.0, tokens_gained_per_decode=2.0)
+    assert predict(plain, 0, 10).tpot_s == pytest.approx(COST.step_s(3, 3))
+    assert predict(drafting, 0, 10).tpot_s == pytest.approx(COST.step_s(3, 12) / 2)
+    prompt = predict(drafting, 0, 256)  # beside 2 decodes' 8 tokens: 248 fit the first step
+    in_progress = step_in_progress_s(drafting)
+    first, second = COST.step_s(3, 8 + 248), COST.step_s(3, 8 + 8)
+    assert prompt.ttft_s == pytest.approx(in_progress + first + second)

@@ -34,6 +34,21 @@ def test_the_replicas_measured_grammar_mask_reaches_the_step_cost() -> None:
     assert monitor.state("up").cost.per_constrained_row_s == 0.0004
 
 
+def test_the_replicas_speculation_reaches_the_latency_model() -> None:
+    """A speculating pool's decodes compute their drafts and gain what was accepted: 10
+    drafts of 4 tokens over 20 decodes, 30 of their tokens accepted, is 3 tokens computed
+    and 2.5 gained per decode; a pool that does not speculate computes and gains 1."""
+    engine = FakeEngine(EngineConfig())
+    monitor = PoolMonitor({"up": POOLS["up"]}, {"up": FakePoolHandle(engine)}, POLL_INTERVAL_S)
+    asyncio.run(monitor.poll_once())
+    plain = monitor.state("up")
+    assert (plain.tokens_computed_per_decode, plain.tokens_gained_per_decode) == (1.0, 1.0)
+    engine.spec_accepted_per_pos = [10, 10, 0, 10]
+    asyncio.run(monitor.poll_once())
+    drafting = monitor.state("up")
+    assert (drafting.tokens_computed_per_decode, drafting.tokens_gained_per_decode) == (3.0, 2.5)
+
+
 def test_a_pool_without_replicas_does_not_hold_the_poll_of_the_others() -> None:
     up = FakePoolHandle(FakeEngine(EngineConfig(max_model_len=512)))
     down = FakePoolHandle(None)  # its calls are never answered, as with no replica to run them
