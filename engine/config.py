@@ -152,12 +152,6 @@ class EngineConfig:
     a throughput pool then still takes every cycle the urgent ones leave idle. `own_group`
     does too, from a session of its own: it no longer shares one group's CPU time with
     all of Ray's other workers."""
-    urgent_priority: int | None = None
-    """Requests at this priority or a more urgent one make the engine urgent while it holds
-    them: its autogroup runs at the urgent CPU priority until none is left
-    (engine.process.UrgentWhileHolding). For a throughput pool that urgent work overflows
-    to (`cpu_priority: own_group`): an overflowed interactive request gets the cores its own
-    pool's engine gets, and batch work gets them back after. None: the priority is fixed."""
     stall_timeout_s: float = 120.0
     """A step running longer than this while work waits marks the engine unhealthy (a
     wedged forward pass): the pool's health check then fails and Serve replaces it."""
@@ -202,11 +196,6 @@ class EngineConfig:
             raise ValueError(
                 f"cpu_priority {self.cpu_priority!r} applies to the engine's child process: "
                 "set separate_process: true (the replica's own process keeps Ray's priority)"
-            )
-        if self.urgent_priority is not None and self.cpu_priority != "own_group":
-            raise ValueError(
-                "urgent_priority moves the engine's own autogroup's priority: set "
-                f"cpu_priority: own_group (got {self.cpu_priority!r})"
             )
         if self.stall_timeout_s <= 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")

@@ -25,7 +25,6 @@ from engine.elastic_threads import ElasticThreads, NodeDemand
 from engine.engine import LLMEngine
 from engine.messages import AddRequest, Delivery, InboxMessage
 from engine.outputs import EngineStats
-from engine.process import UrgentWhileHolding
 from engine.prompt_limits import PromptLimits
 
 log = logging.getLogger(__name__)
@@ -60,9 +59,6 @@ class EngineLoop:
         self._demand = NodeDemand()
         self.threads = _elastic_threads(engine, self._demand)
         """The step's thread count by the node's demand; None where the config fixes it."""
-        urgent_priority = engine.config.urgent_priority
-        self.urgency = None if urgent_priority is None else UrgentWhileHolding(urgent_priority)
-        """The process's CPU priority by the work it holds; None where the config fixes it."""
 
     def send(self, message: InboxMessage) -> None:
         """Queue a message (from any thread)."""
@@ -81,8 +77,6 @@ class EngineLoop:
 
     def _loop_once(self) -> None:
         self._drain_inbox()
-        if self.urgency is not None:
-            self.urgency.follow(self.engine.scheduler.running + self.engine.scheduler.waiting)
         if not self.engine.has_unfinished():
             self._demand.set_busy(False)
             self._wake.wait()

@@ -3,22 +3,19 @@
 An engine never changes them itself: two engines in one process (a test, a
 benchmark comparing configs) must not fight over torch's global thread pool.
 An engine's own child process (engine.engine_process) also takes its pool's
-CPU priority here (apply_cpu_priority), and may raise it while it holds urgent
-work (UrgentWhileHolding).
+CPU priority here (apply_cpu_priority).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from engine.config import EngineConfig
 from engine.model.batch_invariance import request_reproducible_blas
-from engine.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -69,45 +66,6 @@ def apply_cpu_priority(priority: str) -> None:
         _own_session()
 
 
-class UrgentWhileHolding:
-    """Urgency follows the work: a throughput engine's autogroup runs at URGENT_NICE while
-    the engine holds a request at `priority` or a more urgent one (an interactive request
-    overflowed to the offline pool), and at the group's own nice value otherwise. Without
-    it the overflowed request steps at the offline engine's share of the cores (bench_sla
-    --quick: 0.43 of a core beside the urgent interactive engine's 0.85), and its time per
-    token ran 1.5x past its tier's, however short the scheduler kept the steps. Needs an
-    autogroup of the engine's own (`cpu_priority: own_group`); only the group's nice value
-    moves, which is all that counts between groups."""
-
-    def __init__(self, priority: int) -> None:
-        self.priority = priority
-        self.urgent = False
-        self._own_nice = _autogroup_nice()
-
-    def follow(self, requests: Iterable[Request]) -> None:
-        """Raise or restore the group's priority by the requests the engine now holds."""
-        urgent = any(r.priority <= self.priority for r in requests)
-        if urgent != self.urgent:
-            _set_autogroup_nice(URGENT_NICE if urgent else self._own_nice)
-            self.urgent = urgent
-
-
-def _autogroup_nice() -> int:
-    """This process's autogroup's nice value (0 where the kernel has no autogroups)."""
-    if not _AUTOGROUP.exists():
-        return 0
-    return int(_AUTOGROUP.read_text().split("nice")[1])
-
-
-def _set_autogroup_nice(nice: int) -> None:
-    """This process's autogroup to `nice`; a refusal is logged, not raised."""
-    try:
-        if _AUTOGROUP.exists():
-            _AUTOGROUP.write_text(str(nice))
-    except OSError as error:
-        log.warning("engine autogroup priority unchanged (nice %d refused: %s)", nice, error)
-
-
 def _own_session() -> None:
     """A session of its own, hence an autogroup of its own (a no-op for a session leader)."""
     try:
@@ -121,7 +79,7 @@ def _set_nice(nice: int) -> None:
     try:
         for thread_id in os.listdir("/proc/self/task"):
             os.setpriority(os.PRIO_PROCESS, int(thread_id), nice)
+        if _AUTOGROUP.exists():
+            _AUTOGROUP.write_text(str(nice))
     except OSError as error:
         log.warning("engine process priority unchanged (nice %d refused: %s)", nice, error)
-        return
-    _set_autogroup_nice(nice)

@@ -6,7 +6,6 @@ the test process keeps its priority; what is read back is the kernel's own recor
 
 from __future__ import annotations
 
-import asyncio
 import multiprocessing
 import os
 from pathlib import Path
@@ -17,8 +16,6 @@ from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.engine_process import EngineProcess
 from engine.process import URGENT_NICE, apply_cpu_priority
-from engine.request import Urgency
-from engine.sampling_params import SamplingParams
 from testing.engine_helpers import TEST_ENGINE_CONFIG
 
 RAY_WORKER_NICE = 15
@@ -90,39 +87,3 @@ def test_the_engine_child_takes_its_pools_priority_and_its_parent_keeps_its_own(
     assert os.getpriority(os.PRIO_PROCESS, child) == URGENT_NICE
     assert os.getsid(child) == child != os.getsid(0)
     assert os.getpriority(os.PRIO_PROCESS, 0) != URGENT_NICE
-
-
-def _autogroup_nice(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/autogroup").read_text().split("nice")[1])
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="raising an autogroup's priority needs root here")
-@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no autogroups")
-def test_an_own_group_engine_is_urgent_exactly_while_it_holds_urgent_work() -> None:
-    """An overflowed interactive request (priority 0) raises the offline engine's group to
-    the urgent priority while the engine holds it; batch work alone leaves it at its own."""
-    config = EngineConfig(
-        **TEST_ENGINE_CONFIG, separate_process=True, cpu_priority="own_group", urgent_priority=0
-    )
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-
-    async def nice_while_streaming() -> list[int]:
-        engine = AsyncLLMEngine(config)
-        child = engine.core._process.pid
-        assert child is not None
-        seen = [_autogroup_nice(child)]
-        for priority in (0, 2):
-            stream = engine.generate([1, 2, 3, 4], params, f"p{priority}", Urgency(priority))
-            await anext(stream)
-            seen.append(_autogroup_nice(child))
-            async for _ in stream:
-                pass
-        return seen
-
-    idle, interactive, batch = asyncio.run(nice_while_streaming())
-    assert (idle, interactive, batch) == (0, URGENT_NICE, 0)
-
-
-def test_urgent_priority_needs_an_autogroup_of_the_engines_own() -> None:
-    with pytest.raises(ValueError, match="own_group"):
-        EngineConfig(separate_process=True, cpu_priority="urgent", urgent_priority=0)
