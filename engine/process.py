@@ -55,6 +55,11 @@ def apply_cpu_priority(priority: str) -> None:
     throughput 0.583x alone against 0.548x in Ray's group; bench_sla --quick --slo-scale
     4.74, the offline engine 0.99 cores against 0.92 with no interactive load, and offline
     throughput beside the protected interactive load 0.58x without it against 0.44x.
+    Raising the offline engine's group to nice -10 while it held an overflowed interactive
+    request (bench_sla --quick --slo-scale 4.74, 2026-12-04) starved Ray's session instead:
+    with both engines urgent, the hops through the ingress and the pool replicas took 1-3
+    s of the interactive requests' first tokens, and their goodput under overload fell to
+    0.35; so a pool's priority stays what its config says.
     Lowering a nice value needs privileges (CAP_SYS_NICE, or root as here): refused,
     it is logged and the engine starts in its own autogroup at nice 0, still a share
     equal to all of Ray's processes together.
