@@ -56,10 +56,32 @@ def _report_overload(ours: dict[str, Any], shared: dict[str, Any], extra: dict) 
     reasons = Counter(o.refusal_reason for o in refused if o.batch_running_at_refusal > 0)
     emit(BENCH, "shed.interactive_while_batch_running", sum(reasons.values()), "requests",
          reasons=dict(reasons), **extra)  # fmt: skip
+    streaming = sheds_while_batch_streams(outcomes)
+    emit(BENCH, "shed.interactive_while_batch_streaming", len(streaming), "requests",
+         reasons=dict(Counter(o.refusal_reason for o in streaming)), **extra)  # fmt: skip
     ours_tok_s, shared_tok_s = ours["overload"].tokens_per_s(), shared["overload"].tokens_per_s()
     emit(BENCH, "ratio.output_tokens_per_s.overload.tierserve_vs_shared",
          ours_tok_s / max(shared_tok_s, 1e-9), "x", tierserve=round(ours_tok_s, 1),
          shared=round(shared_tok_s, 1), **extra)  # fmt: skip
+
+
+def sheds_while_batch_streams(outcomes: list[Outcome]) -> list[Outcome]:
+    """The interactive refusals made while some batch request was streaming its tokens to
+    this client (between its first and its last): batch work then held compute. The
+    in-flight count (`batch_running_at_refusal`) also counts batch requests admitted but
+    still waiting for their first token, paused while urgent prompts prefill."""
+    spans = [
+        (o.first_token_s, o.last_token_s)
+        for o in outcomes
+        if o.tier == "batch" and o.first_token_s is not None and o.last_token_s is not None
+    ]
+    return [
+        o
+        for o in outcomes
+        if o.tier == "interactive"
+        and o.status == 429
+        and any(first <= o.start_s <= last for first, last in spans)
+    ]
 
 
 def _report_protect(client: Client, windows: dict[str, Window], extra: dict) -> None:

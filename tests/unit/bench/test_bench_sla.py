@@ -23,7 +23,12 @@ from bench.serving.bench_sla import (
     protect_streams,
 )
 from bench.serving.sla_client import Client, Outcome, Window, closed_loop, timed
-from bench.serving.sla_report import prediction_errors, report, ttft_error_share_of_slo
+from bench.serving.sla_report import (
+    prediction_errors,
+    report,
+    sheds_while_batch_streams,
+    ttft_error_share_of_slo,
+)
 from serving.app import build_app
 from serving.app_config import TierserveConfig, load_config
 from serving.http.planner import model_routes
@@ -131,6 +136,18 @@ def test_prediction_errors_are_measured_minus_predicted_per_pool() -> None:
     assert errors["interactive"]["tpot"] == [pytest.approx(10)]
     assert errors["offline"] == {"ttft": [pytest.approx(-500)], "tpot": []}
     assert set(errors) == {"interactive", "offline"}
+
+
+def test_a_refusal_counts_against_batch_only_while_a_batch_request_streams() -> None:
+    """Batch admitted but waiting for its first token holds no compute: only a refusal
+    between a batch request's first and last token counts as made while batch streams."""
+    batch = Outcome("batch", 200, start_s=0.0, first_token_s=10.0, last_token_s=20.0)
+    waiting, streaming, after = (
+        Outcome("interactive", 429, start_s=t, batch_running_at_refusal=1) for t in (5, 15, 25)
+    )
+    served = Outcome("interactive", 200, start_s=15.0)
+    outcomes = [batch, waiting, streaming, after, served]
+    assert sheds_while_batch_streams(outcomes) == [streaming]
 
 
 def test_ttft_error_is_read_against_each_tiers_slo(configured: TierserveConfig) -> None:
