@@ -80,6 +80,35 @@ def test_a_kernel_switch_past_the_old_probe_is_found_and_avoided(dtype) -> None:
     assert _rows_depend_on_the_call(bounded, x, range(1, 193)) == []
 
 
+class RowAloneLinear(nn.Linear):
+    """An nn.Linear that sums a lone row in another order, as a BLAS's GEMV does beside
+    its GEMM, where that order rounds otherwise: here, rows whose first input is
+    positive. Calls of several rows agree with each other row by row and place by place,
+    and the probe's first row (negative) agrees alone too."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T, row by row; a lone row with a positive first input in two halves."""
+        if x.shape[0] > 1 or x[0, 0] <= 0:
+            return torch.cat([F.linear(row, self.weight) for row in x.split(1)])
+        half = self.in_features // 2
+        low, high = self.weight[:, :half], self.weight[:, half:]
+        return F.linear(x[:, :half], low) + F.linear(x[:, half:], high)
+
+
+def test_a_row_computed_alone_otherwise_than_in_a_call_of_more_is_padded() -> None:
+    torch.manual_seed(2)
+    layer = RowAloneLinear(128, 64, bias=False)
+    bounds = invariant_row_bounds(layer, torch.float32, max_rows=64)
+    assert bounds == RowBounds(2, None)
+    x = torch.randn(40, 128)
+    bounded = RowBounded(layer, bounds)
+    with torch.inference_mode():
+        together = bounded(x)
+        alone = torch.cat([bounded(row) for row in x.split(1)])
+        assert not torch.equal(torch.cat([layer(row) for row in x.split(1)]), together)
+    assert torch.equal(alone, together)
+
+
 def test_a_layer_that_agrees_everywhere_is_left_as_it_is() -> None:
     model = nn.Sequential(SwitchingLinear(64, 32, few=1, many=10_000))
     assert make_batch_invariant(model, torch.float32, max_rows=128)
