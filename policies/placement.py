@@ -147,7 +147,7 @@ def _protect(
     return _refuse(prediction, "shed_slo", wait_s, jitter)
 
 
-def _refuse(prediction: Prediction, reason: str, wait_s: float, jitter: float) -> Placement:
+def _refuse(prediction: Prediction | None, reason: str, wait_s: float, jitter: float) -> Placement:
     retry_after_s = max(MIN_RETRY_AFTER_S, math.ceil(wait_s * (1 + JITTER * jitter)))
     return Placement(None, reason, prediction, retry_after_s)
 
@@ -218,6 +218,4 @@ class ShedFirst:
         left_s = self.until_s.get(tier.pool, 0.0) - now_s
         if tier.on_slo_miss != "queue" or left_s <= 0:
             return None
-        return Placement(
-            None, "shed_for_urgent", retry_after_s=max(MIN_RETRY_AFTER_S, math.ceil(left_s))
-        )
+        return _refuse(None, "shed_for_urgent", left_s, jitter=0.0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -215,8 +216,5 @@ def _tokens_per_decode(stats: list[EngineStats]) -> tuple[float, float]:
     speculation so far ((1, 1) where none speculates)."""
     if not stats:
         return 1.0, 1.0
-    pairs = [s.spec_tokens_per_decode for s in stats]
-    return (
-        sum(computed for computed, _ in pairs) / len(pairs),
-        sum(gained for _, gained in pairs) / len(pairs),
-    )
+    computed, gained = zip(*(s.spec_tokens_per_decode for s in stats), strict=True)
+    return statistics.fmean(computed), statistics.fmean(gained)
