@@ -90,6 +90,7 @@ def int4_mm_cpu(
 ) -> torch.Tensor:
     """The fastest correct CPU path for the row count at hand."""
     if x.shape[0] <= PACKED_OP_MAX_ROWS and cpu_op_uses_tile64():
+        x = x.contiguous()  # the op refuses a view (a bf16 head's last rows, say)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
     return int4_mm_reference(x, packed, scales_and_zeros, group_size)
 

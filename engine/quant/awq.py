@@ -120,9 +120,10 @@ def collect_linear_inputs(
         for name in seen
     ]
     forward = cast(Callable[[torch.Tensor], torch.Tensor], model.compute_logits_dense)
+    device = next(model.parameters()).device  # calibration ids are made on the CPU
     try:
         for token_ids in calibration:
-            forward(token_ids)
+            forward(token_ids.to(device))
     finally:
         for hook in hooks:
             hook.remove()

@@ -48,7 +48,7 @@ from serving.http.routes import Call, Route, RouteTable
 from serving.http.service_routes import ServiceRoutes
 from serving.http.sse import prepend, sse_stream
 from serving.pools.calls import first_answer
-from serving.pools.pool_monitor import PoolMonitor
+from serving.pools.pool_monitor import PoolMonitor, serve_running_replicas
 from serving.pools.slo_watch import SloWatch
 from serving.telemetry import Admission, Telemetry
 
@@ -79,7 +79,9 @@ class Ingress:
         self._tokenizer = await _default_model_tokenizer(config, pools)
         pool_configs = {p.name: p for p in config.pools}
         self._gateway = Gateway(config.gateway)
-        self._monitor = PoolMonitor(pool_configs, pools, config.stats_poll_interval_s)
+        self._monitor = PoolMonitor(
+            pool_configs, pools, config.stats_poll_interval_s, serve_running_replicas(pools)
+        )
         self._telemetry = Telemetry(config.model_name, pool_configs, self._monitor)
         self._planner = Planner(
             config, router, self._gateway, self._monitor, self._telemetry, self._tokenizer

@@ -4,7 +4,10 @@ Sequences in flight are tracked here, exact and instant (priority, prompt
 length, tokens so far), so placement reacts to a burst before the next poll.
 Engine stats are polled from every replica: the fitted step cost that turns
 that work into predicted latencies (policies/latency.py), KV usage and queue
-for metrics, and the live replica count that sizes a pool's capacity.
+for metrics. Which replicas are live is Serve's word, not the polls': a replica
+counts while Serve's controller runs it (health-checked, told of lost nodes),
+however long its last answer is ago. Counting silence instead refused pools with
+503s whenever a loaded machine delayed every replica's answer for a few seconds.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
 from engine.outputs import EngineStats
 from policies.latency import InFlightSequence, PoolState, StepCost
 from serving.config import PoolConfig
@@ -27,13 +33,13 @@ from serving.pools.pool import ReplicaStats
 
 log = logging.getLogger(__name__)
 
-STALE_AFTER_POLLS = 10
-"""A replica not heard from in this many poll periods is counted as gone. Not fewer: on a
-machine whose cores are all busy a live replica's answer can miss a few periods (at 3, a
-pool with one replica was refused with 503s while a test process took the other core)."""
 POLL_TIMEOUT_POLLS = 3
 """A stats call unanswered after this many poll periods is cancelled: a pool with no
 live replica (its node lost) would otherwise hold every later poll of every pool."""
+
+
+RunningReplicas = Callable[[], dict[str, int]]
+"""Each pool's count of the replicas Serve runs now; blocking (a controller call)."""
 
 
 TYPICAL_OUTPUT_TOKENS = 128
@@ -65,11 +71,19 @@ class PoolMonitor:
     """Each pool's live load for routing, admission, metrics and health."""
 
     def __init__(
-        self, pools: dict[str, PoolConfig], handles: dict[str, Any], poll_interval_s: float
+        self,
+        pools: dict[str, PoolConfig],
+        handles: dict[str, Any],
+        poll_interval_s: float,
+        running_replicas: RunningReplicas | None = None,
     ):
+        """Without `running_replicas` (tests without Serve) every replica heard from counts."""
         self._pools = pools
         self._handles = handles
         self._poll_interval_s = poll_interval_s
+        self._running_replicas = running_replicas
+        self._running: dict[str, int] | None = None
+        """Serve's counts as last read; None until read (then every replica heard counts)."""
         self._in_flight: dict[str, list[SentSequence]] = {name: [] for name in pools}
         self._typical_output = dict.fromkeys(pools, float(TYPICAL_OUTPUT_TOKENS))
         self._replicas: dict[str, dict[str, _Seen]] = {name: {} for name in pools}
@@ -149,8 +163,11 @@ class PoolMonitor:
         return [seen.stats for seen in self._live(pool)]
 
     def _live(self, pool: str) -> list[_Seen]:
-        fresh_after_s = time.monotonic() - STALE_AFTER_POLLS * self._poll_interval_s
-        return [seen for seen in self._replicas[pool].values() if seen.at_s >= fresh_after_s]
+        """As many of the replicas heard from as Serve runs, the most recently heard first
+        (a replaced replica's last stats are the oldest)."""
+        heard = sorted(self._replicas[pool].values(), key=lambda seen: seen.at_s, reverse=True)
+        running = len(heard) if self._running is None else self._running.get(pool, 0)
+        return heard[:running]
 
     def _step_cost(self, pool: str) -> StepCost:
         """The live replicas' fitted step costs and measured grammar masks, averaged (zero
@@ -178,7 +195,26 @@ class PoolMonitor:
         """Refresh replica stats every period, each pool on its own clock (a pool whose
         calls go unanswered must not age the others' stats); runs for the life of the
         ingress."""
-        await asyncio.gather(*(self._poll_forever(name) for name in self._pools))
+        await asyncio.gather(
+            self._count_running_forever(), *(self._poll_forever(name) for name in self._pools)
+        )
+
+    async def _count_running_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_interval_s)
+            await self._count_running()
+
+    async def _count_running(self) -> None:
+        """Read Serve's running replica counts in a thread (the call blocks); an unanswered
+        read keeps the last counts."""
+        if self._running_replicas is None:
+            return
+        timeout_s = POLL_TIMEOUT_POLLS * self._poll_interval_s
+        try:
+            read = asyncio.to_thread(self._running_replicas)
+            self._running = await asyncio.wait_for(read, timeout_s)
+        except Exception as error:  # noqa: BLE001  (the controller busy or restarting)
+            log.warning("reading Serve's running replicas failed: %r", error)
 
     async def _poll_forever(self, pool: str) -> None:
         last_s = time.monotonic()
@@ -190,8 +226,8 @@ class PoolMonitor:
             last_s = now_s
 
     async def poll_once(self) -> None:
-        """Ask every pool's replicas for their stats once."""
-        await asyncio.gather(*(self._poll(name) for name in self._pools))
+        """Ask every pool's replicas for their stats, and Serve which run, once."""
+        await asyncio.gather(self._count_running(), *(self._poll(name) for name in self._pools))
 
     async def _poll(self, pool: str) -> None:
         # Serve routes each call to some replica; asking as often as there can be
@@ -218,3 +254,20 @@ def _tokens_per_decode(stats: list[EngineStats]) -> tuple[float, float]:
         return 1.0, 1.0
     computed, gained = zip(*(s.spec_tokens_per_decode for s in stats), strict=True)
     return statistics.fmean(computed), statistics.fmean(gained)
+
+
+def serve_running_replicas(handles: dict[str, DeploymentHandle]) -> RunningReplicas:
+    """The pools' running replica counts as Serve's controller reports them (0 for a pool
+    whose deployment it does not list, as while the app is being deleted)."""
+
+    def count() -> dict[str, int]:
+        applications = serve.status().applications
+
+        def running(handle: DeploymentHandle) -> int:
+            application = applications.get(handle.app_name)
+            deployment = application and application.deployments.get(handle.deployment_name)
+            return deployment.replica_states.get("RUNNING", 0) if deployment else 0
+
+        return {pool: running(handle) for pool, handle in handles.items()}
+
+    return count

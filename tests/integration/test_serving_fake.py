@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
+from ray import serve
 
 from serving.app_config import TierserveConfig, load_config
 from serving.config import ApiKeyConfig, GatewayConfig
+from serving.pools.pool_monitor import serve_running_replicas
 from testing.fakes import FakeEngine
 from testing.serve_harness import metric, serving, wait_for_metric
 
@@ -290,3 +293,16 @@ def test_models_health_and_metrics(base_url: str, client: openai.OpenAI) -> None
     ]:  # fmt: skip
         assert name in text, name
     assert metric(base_url, "tierserve:slo_checked_total", KEY, tier="interactive") >= 1
+
+
+def test_serve_reports_each_pools_running_replicas(base_url: str) -> None:
+    """What the ingress counts pools live by (serving/pools/pool_monitor.py): every pool of
+    the running app has a replica Serve runs; a deployment Serve does not list has none."""
+    handles = {
+        pool.name: serve.get_deployment_handle(f"pool-{pool.name}", app_name="tierserve")
+        for pool in _config().pools
+    }
+    gone = SimpleNamespace(app_name="tierserve", deployment_name="pool-gone")
+    counts = serve_running_replicas({**handles, "gone": gone})()  # type: ignore[dict-item]
+    assert counts.pop("gone") == 0
+    assert counts.keys() == handles.keys() and all(n >= 1 for n in counts.values()), counts

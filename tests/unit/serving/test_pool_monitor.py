@@ -15,7 +15,6 @@ from engine.outputs import EngineStats
 from policies.latency import PoolState
 from serving.config import PoolConfig
 from serving.pools.pool_monitor import (
-    STALE_AFTER_POLLS,
     TYPICAL_OUTPUT_TOKENS,
     PoolMonitor,
     SentSequence,
@@ -72,17 +71,25 @@ def test_a_pool_without_replicas_does_not_hold_the_poll_of_the_others() -> None:
     assert len(up.calls) > len(down.calls)
 
 
-def test_a_replica_that_misses_a_few_polls_is_still_live(monkeypatch) -> None:
-    """A busy machine can starve a replica's answers for a few periods: it still serves
-    (counted out, its pool would be refused with 503s); only a long silence counts it gone."""
-    handle = FakePoolHandle(FakeEngine(EngineConfig()))
-    monitor = PoolMonitor({"up": POOLS["up"]}, {"up": handle}, poll_interval_s=1.0)
+def test_a_replica_counts_while_serve_runs_it_however_long_its_silence(monkeypatch) -> None:
+    """A loaded machine can delay every replica's answer for seconds: the pool still serves
+    (counted out by its silence, it was refused with 503s). It is counted gone when Serve
+    stops running it, and the replica Serve runs instead counts once heard from."""
+    running = {"up": 1}
+    engine = FakeEngine(EngineConfig())
+    monitor = PoolMonitor(
+        {"up": POOLS["up"]}, {"up": FakePoolHandle(engine)}, 1.0, lambda: dict(running)
+    )
     asyncio.run(monitor.poll_once())
     polled_s = time.monotonic()
-    monkeypatch.setattr(time, "monotonic", lambda: polled_s + 3.5)  # 3.5 periods of silence
+    monkeypatch.setattr(time, "monotonic", lambda: polled_s + 600.0)  # ten minutes of silence
     assert monitor.state("up").num_replicas == 1
-    monkeypatch.setattr(time, "monotonic", lambda: polled_s + STALE_AFTER_POLLS + 0.5)
+    running["up"] = 0  # Serve lost it (its node, say)
+    asyncio.run(monitor.poll_once())  # its stats still answer here: only Serve's word counts
     assert monitor.state("up").num_replicas == 0
+    running["up"] = 1
+    asyncio.run(monitor.poll_once())
+    assert monitor.state("up").num_replicas == 1
 
 
 class CacheBoundEngine(FakeEngine):
