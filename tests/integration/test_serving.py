@@ -132,7 +132,9 @@ def test_a_seeded_request_gives_the_same_text_cold_warm_and_in_a_busy_batch(
     extra = {"extra_headers": {"X-SLA-Tier": tier}}
 
     def seeded() -> str:
-        completion = real_client.chat.completions.create(
+        # As a batch client does: while the interactive tier is being shed (the runs before
+        # fill its pool), the batch tier is refused for a Retry-After (ShedFirst).
+        completion = real_client.with_options(max_retries=5).chat.completions.create(
             model=MODEL, messages=messages, temperature=0.9, seed=1234, max_tokens=16, **extra
         )
         return completion.choices[0].message.content
