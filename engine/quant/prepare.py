@@ -8,6 +8,7 @@ device's empty modules instead of quantizing again.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from engine.quant.linear import (
     switch_to_int8_activations,
 )
 from engine.quant.maths import AwqParams, scheme_of
+from engine.quant.prequantized import HubInt4, load_prequantized
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,18 @@ log = logging.getLogger(__name__)
 def prepare_model(
     config: EngineConfig, num_layers: int | None = None
 ) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
-    """The model and tokenizer for `config`: quantized per `config.quant`, else dense."""
+    """The model and tokenizer for `config`: INT4 as its checkpoint was quantized (AWQ,
+    GPTQ), quantized per `config.quant`, else dense."""
+    model_dir = resolve_model_dir(config.model, config.cache_dir)
+    hub_int4 = HubInt4.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    if hub_int4 is not None:
+        if config.quant is not None:
+            raise ValueError(
+                f"{model_dir} is already quantized ({hub_int4.method}): leave engine.quant unset"
+            )
+        args = model_args(model_dir, num_layers)
+        model = load_prequantized(model_dir, args, config, hub_int4)
+        return model, AutoTokenizer.from_pretrained(model_dir)
     if config.quant is None:
         return load_model(config, num_layers)
     return load_quantized_model(config, num_layers)
