@@ -34,6 +34,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.model.args import ModelArgs
+from engine.model.fp8_weights import Fp8Weights
 from engine.model.llama import LlamaForCausalLM
 from engine.model.students import STUDENT_MODEL, latest_student
 
@@ -226,10 +227,13 @@ def model_args(model_dir: Path, num_layers: int | None = None) -> ModelArgs:
 
 
 def load_dense(model_dir: Path, args: ModelArgs, config: EngineConfig) -> LlamaForCausalLM:
-    """Weights from the folder's safetensors, built on the meta device and assigned in place."""
+    """Weights from the folder's safetensors (FP8 ones expanded by their scales), built on
+    the meta device and assigned in place."""
     with torch.device("meta"):
         model = LlamaForCausalLM(args)
-    model.load_hf_state_dict(read_safetensors(model_dir))
+    state = read_safetensors(model_dir)
+    fp8 = Fp8Weights.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    model.load_hf_state_dict(state if fp8 is None else fp8.dequantized(state))
     return model.to(device=config.device, dtype=config.torch_dtype).eval()
 
 

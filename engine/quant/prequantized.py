@@ -32,6 +32,7 @@ from torch import nn
 from engine.config import EngineConfig
 from engine.kernels.int4_mm import TILE_N, pack_int4
 from engine.model.args import ModelArgs
+from engine.model.fp8_weights import FP8_METHODS
 from engine.model.hf_names import engine_state_dict
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import read_safetensors
@@ -60,12 +61,13 @@ class HubInt4:
         """The format of a pre-quantized checkpoint; None for a plain one; ValueError naming
         the setting for one the engine does not load."""
         quant = hf_config.get("quantization_config")
-        if quant is None:
+        if quant is None or quant.get("quant_method") in FP8_METHODS:  # dense at load
             return None
         method = quant.get("quant_method")
         if method not in ("awq", "gptq"):
             raise ValueError(
-                f"quantization_config.quant_method {method!r} is not loaded: 'awq' and 'gptq' are"
+                f"quantization_config.quant_method {method!r} is not loaded: "
+                f"'awq', 'gptq' and {' and '.join(map(repr, FP8_METHODS))} are"
             )
         _require(quant, "bits", 4)
         if method == "awq":
