@@ -23,8 +23,8 @@ from engine.quant.linear import Int4Linear
 from engine.quant.prepare import prepare_model
 from engine.quant.prequantized import HubInt4
 from testing.engine_helpers import greedy, run_requests
+from testing.hub_checkpoints import INT4_CONFIGS, write_folder, write_int4
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 SHAPES = {
     "wide": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
                  num_key_value_heads=2, group_size=64),
@@ -33,16 +33,8 @@ SHAPES = {
 }  # fmt: skip
 """`wide`: every projection's width tiles the INT4 kernel (64). `narrow`: q/k/v (160),
 o and down (96) do not, and are computed dense from the same codes."""
-QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-AWQ_NIBBLE_CHANNELS = (0, 2, 4, 6, 1, 3, 5, 7)
-"""AutoAWQ's GEMM packing: the output channel (of eight) in each nibble, lowest first."""
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5, 6, 7, 8,"]
 MAX_TOKENS = 24
-QUANT_CONFIGS = {
-    "awq": {"quant_method": "awq", "bits": 4, "version": "gemm", "zero_point": True},
-    "gptq": {"quant_method": "gptq", "bits": 4, "desc_act": False, "sym": False,
-             "checkpoint_format": "gptq"},
-}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
@@ -59,82 +51,16 @@ def folders(shape: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         vocab_size=49152, num_hidden_layers=2, max_position_embeddings=256,
         initializer_range=0.1, tie_word_embeddings=False,
         **{k: v for k, v in shape.items() if k != "group_size"},
-    )  # fmt: skip
+    ).to_dict()  # fmt: skip
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    dense = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
-    quantized = {name: _quantize(w, group_size) for name, w in dense.items() if _is_quantized(name)}
-    for name, (codes, zeros, scales) in quantized.items():
-        dense[name] = _meaning(codes, zeros, scales, group_size)
-    folders = {"dense": _write(root / "dense", config.to_dict(), dense)}
-    for method, pack in (("awq", _pack_awq), ("gptq", _pack_gptq)):
-        tensors = {n: t for n, t in dense.items() if n not in quantized}
-        for name, parts in quantized.items():
-            layer = name.removesuffix(".weight")
-            tensors.update({f"{layer}.{key}": t for key, t in pack(*parts, group_size).items()})
-        quant = {**QUANT_CONFIGS[method], "group_size": group_size}
-        folders[method] = _write(
-            root / method, {**config.to_dict(), "quantization_config": quant}, tensors
-        )
+    dense = AutoModelForCausalLM.from_config(LlamaConfig(**config)).state_dict()
+    tokenizer_dir = resolve_model_dir("default", default_cache_dir())
+    folders = {}
+    for method in INT4_CONFIGS:
+        folders[method] = root / method
+        meant = write_int4(dense, config, method, group_size, folders[method], tokenizer_dir)
+    folders["dense"] = write_folder(root / "dense", config, meant, tokenizer_dir)
     return folders
-
-
-def _is_quantized(name: str) -> bool:
-    return name.endswith(".weight") and name.split(".")[-2] in QUANTIZED
-
-
-def _quantize(weight: torch.Tensor, group_size: int):
-    """Asymmetric 4-bit per group of inputs: codes [N, K], zero points and fp16 scales
-    [G, N]. Zero points stay in 1..15: GPTQ stores them minus one in a nibble."""
-    n, k = weight.shape
-    groups = weight.float().view(n, k // group_size, group_size)
-    low, high = groups.amin(-1), groups.amax(-1)
-    scales = ((high - low) / 15).clamp(min=1e-4).half()
-    zeros = (-low / scales.float()).round().clamp(1, 15)
-    codes = (groups / scales.float()[..., None] + zeros[..., None]).round().clamp(0, 15)
-    return codes.view(n, k).to(torch.int32), zeros.t().to(torch.int32), scales.t().contiguous()
-
-
-def _meaning(codes, zeros, scales, group_size: int) -> torch.Tensor:
-    """(q - z) * s: the [N, K] weight both layouts stand for."""
-    z = zeros.t().repeat_interleave(group_size, dim=1)
-    s = scales.t().float().repeat_interleave(group_size, dim=1)
-    return (codes - z) * s
-
-
-def _words(nibbles: torch.Tensor) -> torch.Tensor:
-    """[..., 8] values in 0..15 -> int32 [...], the first in the lowest nibble."""
-    total = sum(nibbles[..., i].to(torch.int64) << (4 * i) for i in range(8))
-    return ((total + 2**31) % 2**32 - 2**31).to(torch.int32).contiguous()
-
-
-def _pack_gptq(codes, zeros, scales, group_size: int) -> dict[str, torch.Tensor]:
-    n, k = codes.shape
-    return {
-        "qweight": _words(codes.t().reshape(k // 8, 8, n).transpose(1, 2)),  # [K/8, N]
-        "qzeros": _words((zeros - 1).reshape(-1, n // 8, 8)),  # [G, N/8]
-        "scales": scales,
-        "g_idx": torch.arange(k, dtype=torch.int32) // group_size,
-    }
-
-
-def _pack_awq(codes, zeros, scales, group_size: int) -> dict[str, torch.Tensor]:
-    order = list(AWQ_NIBBLE_CHANNELS)
-
-    def interleaved(rows: torch.Tensor) -> torch.Tensor:  # [R, N] -> [R, N/8]
-        return _words(rows.reshape(rows.shape[0], -1, 8)[..., order])
-
-    return {"qweight": interleaved(codes.t()), "qzeros": interleaved(zeros), "scales": scales}
-
-
-def _write(folder: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(config))
-    save_file(tensors, folder / "model.safetensors")
-    default_dir = resolve_model_dir("default", default_cache_dir())
-    for name in TOKENIZER_FILES:
-        shutil.copy(default_dir / name, folder / name)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +127,7 @@ def test_a_sharded_checkpoint_loads_the_files_its_index_names(folders, tmp_path,
     ],
 )
 def test_settings_the_engine_does_not_load_are_refused_by_name(change: dict, field: str) -> None:
-    quant = {**QUANT_CONFIGS["awq"], "group_size": 64, **change}
+    quant = {**INT4_CONFIGS["awq"], "group_size": 64, **change}
     with pytest.raises(ValueError, match=f"quantization_config.{field} "):
         HubInt4.from_hf_config({"quantization_config": quant})
 
