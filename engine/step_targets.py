@@ -14,7 +14,9 @@ urgent first (`_first_prompt`): the first is never cut below the tokens
 predicted to take half as long as the rest of the step (PROMPT_FLOOR_SHARE;
 as long, where the rest alone passes the target), so it always moves, even on
 a machine too slow for the target, and the streams beside it run at most half
-over their time per token meanwhile where the target is in reach; the
+over their time per token meanwhile where the target is in reach. Not so where
+a tighter target than its own decodes: it then takes what that target leaves,
+at least a token a step, and never stretches the tighter stream's steps; the
 others take only the room left, and none while nothing with a target decodes,
 so a burst of urgent prompts gets its first tokens one prompt apart rather
 than all after every prompt. Work without a target joins only as far as the
@@ -94,10 +96,15 @@ class StepTargets:
 
     def floor_share(self, request: Request) -> float:
         """How long `request`'s prompt chunk may take past the step's target, as a share of
-        the rest of the step: PROMPT_FLOOR_SHARE for the first prompt with a target, none
-        for any other (a second prompt waits its turn instead of lengthening the step
-        again)."""
-        if request is not self.first_prompt or request.tpot_target_s is None:
+        the rest of the step: PROMPT_FLOOR_SHARE for the first prompt with a target when no
+        tighter target decodes; none for any other. A second prompt waits its turn instead
+        of lengthening the step again, and a less urgent prompt never stretches a tighter
+        stream's steps (a standard prompt held an interactive stream overflowed to the
+        offline pool at 1.5 times its target): it moves by what the target leaves."""
+        target_s = request.tpot_target_s
+        if request is not self.first_prompt or target_s is None:
+            return 0.0
+        if self.limit_s is not None and target_s > self.limit_s:
             return 0.0
         return PROMPT_FLOOR_SHARE
 
@@ -118,6 +125,8 @@ class StepTargets:
         allowed = sys.maxsize
         if self.limit_s is not None:
             allowed = self._within(self.limit_s, step, context, self.floor_share(request))
+            if request is self.first_prompt:
+                allowed = max(allowed, 1)  # it moves, at least a token a step
         elif request.is_prefilling and request.tpot_target_s is not None:
             allowed = sys.maxsize if request is self.first_prompt else 0
         limited = request.tpot_target_s is None and request.is_prefilling

@@ -153,7 +153,7 @@ def predict(
     prefill_tokens = num_prompt_tokens + sum(s.num_prompt_tokens for s in ahead if not s.prefilled)
     tokens_per_replica = math.ceil(prefill_tokens / max(1, pool.num_replicas))
     limit_s = _prefill_limit_s(pool, tpot_target_s)
-    floor_share = 0.0 if tpot_target_s is None else PROMPT_FLOOR_SHARE
+    floor_share = _floor_share(tpot_target_s, limit_s)
     prefill_s = _prefill_s(pool, tokens_per_replica, prefill_batch, limit_s, floor_share)
     mask_s = pool.cost.per_constrained_row_s if constrained else 0.0
     ttft_s = step_in_progress_s(pool) + wait_s + prefill_s + mask_s
@@ -238,6 +238,15 @@ def _prefill_s(
     decode_tokens = pool.decode_tokens(num_decodes)
     full = pool.cost.step_s(batch, decode_tokens + chunk)
     return (num_steps - 1) * full + pool.cost.step_s(batch, decode_tokens + last_chunk)
+
+
+def _floor_share(tpot_target_s: float | None, limit_s: float | None) -> float:
+    """The engine's (engine/step_targets.py): a prompt with a target may lengthen a step by
+    PROMPT_FLOOR_SHARE of its decodes' time, unless a tighter target than its own holds the
+    step."""
+    if tpot_target_s is None or (limit_s is not None and tpot_target_s > limit_s):
+        return 0.0
+    return PROMPT_FLOOR_SHARE
 
 
 def _beside_urgent_prompt(pool: PoolState, priority: int) -> list[InFlightSequence]:

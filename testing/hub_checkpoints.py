@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -41,6 +42,18 @@ with a scale per FP8_BLOCK block."""
 E4M3_MAX = 448.0
 
 Tensors = dict[str, torch.Tensor]
+
+
+def random_llama(**shape: int) -> tuple[Tensors, dict]:
+    """A seeded 2-layer Llama of `shape` (hidden_size, intermediate_size, heads) on the
+    default model's vocabulary, weights wide enough (0.1) that greedy picks rarely tie:
+    its state and its config.json."""
+    config = LlamaConfig(
+        vocab_size=49152, num_hidden_layers=2, max_position_embeddings=256,
+        initializer_range=0.1, tie_word_embeddings=False, **shape,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).state_dict(), config.to_dict()
 
 
 def is_quantized_linear(name: str) -> bool:

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig, QuantConfig, default_cache_dir
 from engine.model.fp8_weights import Fp8Weights
 from engine.model.loader import resolve_model_dir
 from engine.quant.linear import Int4Linear
 from engine.quant.prepare import prepare_model
-from testing.hub_checkpoints import FP8_CONFIGS, write_folder, write_fp8
+from testing.hub_checkpoints import FP8_CONFIGS, random_llama, write_folder, write_fp8
 
 
 @pytest.fixture(scope="module", params=sorted(FP8_CONFIGS))
@@ -23,13 +23,9 @@ def folders(request, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     """The checkpoint in one FP8 layout and the dense folder of the weights it stores (the
     widths here are not all multiples of a block)."""
     root = tmp_path_factory.mktemp(request.param)
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=256,
-        initializer_range=0.1, tie_word_embeddings=False,
-    ).to_dict()  # fmt: skip
-    torch.manual_seed(0)
-    dense = AutoModelForCausalLM.from_config(LlamaConfig(**config)).state_dict()
+    dense, config = random_llama(
+        hidden_size=96, intermediate_size=160, num_attention_heads=3, num_key_value_heads=1
+    )
     tokenizer_dir = resolve_model_dir("default", default_cache_dir())
     stored = write_fp8(dense, config, request.param, root / "fp8", tokenizer_dir)
     return {

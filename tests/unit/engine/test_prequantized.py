@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_engine_parity import assert_same_greedy_tokens, hf_greedy
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig, QuantConfig, default_cache_dir
 from engine.engine import LLMEngine
@@ -23,7 +23,7 @@ from engine.quant.linear import Int4Linear
 from engine.quant.prepare import prepare_model
 from engine.quant.prequantized import HubInt4
 from testing.engine_helpers import greedy, run_requests
-from testing.hub_checkpoints import INT4_CONFIGS, write_folder, write_int4
+from testing.hub_checkpoints import INT4_CONFIGS, random_llama, write_folder, write_int4
 
 SHAPES = {
     "wide": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
@@ -47,13 +47,7 @@ def folders(shape: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     """The checkpoint in each layout, and the dense folder of the weights they mean."""
     root = tmp_path_factory.mktemp("prequantized")
     group_size = shape["group_size"]
-    config = LlamaConfig(
-        vocab_size=49152, num_hidden_layers=2, max_position_embeddings=256,
-        initializer_range=0.1, tie_word_embeddings=False,
-        **{k: v for k, v in shape.items() if k != "group_size"},
-    ).to_dict()  # fmt: skip
-    torch.manual_seed(0)
-    dense = AutoModelForCausalLM.from_config(LlamaConfig(**config)).state_dict()
+    dense, config = random_llama(**{k: v for k, v in shape.items() if k != "group_size"})
     tokenizer_dir = resolve_model_dir("default", default_cache_dir())
     folders = {}
     for method in INT4_CONFIGS:

@@ -255,3 +255,16 @@ def test_only_the_first_prompt_keeps_the_floor():
     tokens = scheduled(model.step())
     assert tokens.get("next0", 0) >= 6 and "next1" not in tokens
     assert predicted_s(scheduler, tokens) <= 1.5 * predicted_s(scheduler, {"chat": 1}) + 2e-3
+
+
+def test_a_looser_prompt_never_stretches_a_tighter_streams_step():
+    """An interactive stream decoding at its target (its step alone leaves no room) beside a
+    standard prompt with a looser target: the prompt takes a token a step instead of the
+    half-step floor a prompt as tight as the stream gets, so the stream keeps its target."""
+    scheduler = with_cost(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=512)
+    model = FakeModel(scheduler)
+    scheduler.add(request("chat", 2, priority=0, target_s=0.0135))
+    model.step()
+    scheduler.add(request("standard", 100, priority=1, target_s=0.5))
+    tokens = scheduled(model.step())
+    assert tokens == {"chat": 1, "standard": 1}

@@ -134,6 +134,17 @@ def test_less_urgent_decodes_with_a_target_keep_running_beside_an_urgent_prompt(
     assert targeted.ttft_s == pytest.approx(in_progress + COST.step_s(4, 3 + 128))
 
 
+def test_a_looser_prompt_beside_a_tighter_stream_gets_no_floor():
+    """An interactive stream decoding at its target: a standard prompt's chunks take only
+    what that target leaves (the engine never stretches the stream's steps for it), so its
+    first token is predicted later than an equally tight prompt's."""
+    chat = [replace(s, tpot_target_s=0.012) for s in decoding(0, 1)]  # its step alone: 12 ms
+    busy = pool("bulk", chat, max_num_seqs=8)
+    tight = predict(busy, priority=0, num_prompt_tokens=64, tpot_target_s=0.012)
+    loose = predict(busy, priority=1, num_prompt_tokens=64, tpot_target_s=0.5)
+    assert loose.ttft_s > 2 * tight.ttft_s
+
+
 def test_replicas_share_the_load():
     one = predict(pool("fast", decoding(0, 8)), priority=0, num_prompt_tokens=10)
     two = predict(pool("fast", decoding(0, 8), replicas=2, max_num_seqs=8), 0, 10)
