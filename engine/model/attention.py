@@ -25,8 +25,10 @@ same blocks, and the window is a mask over them.
 
 A quantized cache (engine.quant.kv) is written as codes and scales; the kernel
 dequantizes each row in registers as it reads it, the padded path once it has
-gathered the blocks. A fresh chunk attends to its own K/V before quantization
-(as vLLM does); under batch invariance every query reads the cache instead.
+gathered the blocks. An int8 cache holds K and V rotated, so `paged_attention` rotates
+the queries and the output too; the groups never see the difference. A fresh chunk
+attends to its own K/V before quantization (as vLLM does); under batch invariance
+every query reads the cache instead.
 """
 
 from __future__ import annotations
@@ -316,10 +318,26 @@ def paged_attention(
     window: int | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache (quantized, where it is), then attend group by
-    group (each query to its last `window` positions, where given)."""
+    group (each query to its last `window` positions, where given). An int8 cache holds
+    K and V rotated (kv_quant.rotate): the queries are rotated alike and the output
+    rotated back."""
+    rotated = kv_quant.is_rotated(k_cache)
+    if rotated:
+        q, k, v = kv_quant.rotate(q), kv_quant.rotate(k), kv_quant.rotate(v)
     kv_quant.write(k_cache, meta.slot_mapping, k)
     kv_quant.write(v_cache, meta.slot_mapping, v)
-    groups = meta.groups_within(window)
+    out = _attend_groups(q, k, v, k_cache, v_cache, meta.groups_within(window))
+    return kv_quant.rotate(out) if rotated else out
+
+
+def _attend_groups(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    groups: list[Group],
+) -> torch.Tensor:
     if len(groups) == 1 and groups[0].token_index is None:
         return groups[0].attend(q, k, v, k_cache, v_cache)  # every token, in order
     out = torch.empty_like(q)

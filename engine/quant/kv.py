@@ -18,6 +18,17 @@ takes 1.94x as many (1.88x against an fp32 scale, under the 1.9x issue 31 asks f
 
 The cache tensor's dtype names its format, so the layers need no flag: float
 caches hold values, `int8` ones int8 codes, `uint8` ones e4m3 codes.
+
+An `int8` cache holds K and V rotated by a normalized Hadamard transform over each
+head (`rotate`). Keys carry a few outlier channels (those RoPE turns slowest), and one
+scale per row spends the codes' even steps on them; the rotation spreads every channel
+over all of them, so the row's largest value is near its typical one. The transform is
+orthogonal and its own inverse, so attention rotates its queries the same way
+(q.k = Hq.Hk) and its output back (the weighted sum of rotated values is the rotated
+sum). Over the 64 quality prompts (fp32 model, teacher-forced, one run) it took int8's
+top-1 agreement with the fp32 cache from 0.984 to 0.993 and its perplexity change from
++0.12% to +0.01%. e4m3 codes are not rotated: their steps grow with the value, so an
+outlier costs the rest little, and rotated they lost (0.970 to 0.967, +0.2% to +0.6%).
 """
 
 from __future__ import annotations
@@ -52,6 +63,28 @@ def allocate(
     """An empty cache [num_slots, num_kv_heads, row width] for one layer's K or V."""
     width = head_dim + SCALE_BYTES if storage in _CODE_MAX else head_dim
     return torch.zeros((num_slots, num_kv_heads, width), dtype=storage, device=device)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] times the normalized Hadamard matrix over blocks of the last dimension (the
+    largest power of two dividing D: all of it for the usual 64 or 128), which is its own
+    inverse. A fast Walsh-Hadamard transform in fp32: adds and subtracts within each row,
+    so a row's result never depends on the other rows of its step (batch invariance)."""
+    head_dim = x.shape[-1]
+    block = head_dim & -head_dim
+    y = x.float().reshape(-1, head_dim // block, block)
+    half = 1
+    while half < block:
+        pairs = y.reshape(*y.shape[:2], block // (2 * half), 2, half)
+        low, high = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((low + high, low - high), dim=-2)
+        half *= 2
+    return (y * block**-0.5).reshape(x.shape).to(x.dtype)
+
+
+def is_rotated(cache: torch.Tensor) -> bool:
+    """Whether `cache` holds K and V rotated (`rotate`): an int8 one."""
+    return cache.dtype == torch.int8
 
 
 def is_quantized(cache: torch.Tensor) -> bool:

@@ -22,9 +22,10 @@ from testing.engine_helpers import Completion, greedy, run_requests, scattered_b
 
 KV_DTYPES = ["int8", "fp8_e4m3"]
 STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.uint8}
-MIN_TOP1 = {"int8": 0.97, "fp8_e4m3": 0.93}
-"""Teacher-forced top-1 agreement with the fp32 cache over 16 quality prompts: a floor
-against regressions (bench_memory measures all 64: int8 0.982, fp8 0.967)."""
+MIN_TOP1 = {"int8": 0.99, "fp8_e4m3": 0.93}
+"""Teacher-forced top-1 agreement with the fp32 cache over 16 quality prompts: issue 31's
+target for int8 (0.995 here, rotated; 0.984 before the rotation), a floor against
+regressions for fp8 (over all 64: int8 0.993, fp8 0.970)."""
 MAX_PPL_CHANGE = {"int8": 0.01, "fp8_e4m3": 0.02}
 NGRAM = SpecDecodeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3)
 TIGHT = dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=8)
@@ -63,6 +64,56 @@ def test_rows_round_trip_within_half_a_code(kv_dtype):
     else:  # 3 mantissa bits; subnormal steps of 2^-9 of the scale near zero
         bound = x.abs() * 2**-4 + amax / 448 * 2**-10 * 1.01
     assert ((back - x).abs() <= bound + 1e-30).all()
+
+
+def _sylvester_hadamard(size: int) -> torch.Tensor:
+    """The normalized Hadamard matrix of `size` (a power of two), built as its definition."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < size:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / size**0.5
+
+
+@pytest.mark.parametrize(("head_dim", "block"), [(64, 64), (128, 128), (96, 32), (80, 16)])
+def test_rotation_is_the_hadamard_transform_over_blocks_and_its_own_inverse(head_dim, block):
+    x = torch.randn(7, 3, head_dim, dtype=torch.float64).float()
+    rotated = kv.rotate(x)
+    by_matrix = (x.view(7, 3, head_dim // block, block) @ _sylvester_hadamard(block)).view_as(x)
+    torch.testing.assert_close(rotated, by_matrix, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv.rotate(rotated), x, atol=1e-5, rtol=1e-5)
+
+
+def test_rotation_of_a_row_is_bit_for_bit_the_same_alone_or_in_a_batch():
+    x = torch.randn(33, 9, 64).to(torch.bfloat16)
+    assert torch.equal(kv.rotate(x)[17], kv.rotate(x[17:18])[0])
+
+
+def test_rotation_shrinks_the_int8_error_of_keys_with_outlier_channels():
+    """What the rotation is for: a key's few large channels set its row's scale."""
+    keys = torch.randn(256, 2, 64)
+    keys[..., :4] *= 20.0  # the channels RoPE turns slowest, as in the model's keys
+    plain = kv.dequantize(kv.quantize(keys, torch.int8), torch.float32)
+    rotated = kv.rotate(kv.dequantize(kv.quantize(kv.rotate(keys), torch.int8), torch.float32))
+    assert (rotated - keys).norm() < 0.5 * (plain - keys).norm()
+
+
+@pytest.mark.parametrize("native_kernel", [False, pytest.param(True, marks=needs_kernel)])
+def test_attention_on_a_quantized_cache_is_attention_over_the_values_written(native_kernel):
+    """paged_attention rotates q, K and V for a quantized cache and its output back: a
+    decode reading its context from the cache sees the K/V a prefill wrote, to int8."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(5, heads, 64, generator=gen) for heads in (HEADS, KV_HEADS, KV_HEADS))
+    k_cache, v_cache = (kv.allocate(2 * BLOCK, KV_HEADS, 64, torch.int8, "cpu") for _ in range(2))
+    for q_lens, kv_lens in (([4], [4]), ([1], [5])):  # the prefill, then a decode
+        meta = AttentionMetadata.build(q_lens, kv_lens, [[1, 0]], BLOCK,
+                                       native_kernel=native_kernel)  # fmt: skip
+        new = slice(kv_lens[0] - q_lens[0], kv_lens[0])
+        out = attention.paged_attention(q[new], k[new], v[new], k_cache, v_cache, meta)
+    assert not torch.equal(kv.dequantize(v_cache[:1], torch.float32), v[4:])  # stored rotated
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q[4:].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), enable_gqa=True
+    ).transpose(0, 1)
+    torch.testing.assert_close(out, exact, atol=0.03, rtol=0.03)
 
 
 def _case(q_lens: list[int], kv_lens: list[int], dtype: torch.dtype, storage, head_dim=16):
