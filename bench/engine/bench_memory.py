@@ -23,7 +23,6 @@ each against vLLM's model-dtype cache at the same KV space: `..._vllm_fp8_vs_aut
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import math
@@ -39,8 +38,8 @@ from bench.engine.quant_quality import read_rows
 from bench.report import emit
 from engine.config import KV_CACHE_DTYPES, EngineConfig, auto_dtype_name
 from engine.engine import LLMEngine
-from engine.model.loader import resolve_model_dir
 from engine.model.batch_invariance import request_reproducible_blas
+from engine.model.loader import resolve_model_dir
 from engine.offline import run_all
 from engine.quant.awq import DEFAULT_CALIBRATION_PATH
 from engine.sampling_params import SamplingParams
@@ -188,7 +187,7 @@ def vllm_job(kv_cache_dtype: str, settings: Settings, rows: list[dict]) -> dict:
         "model": str(model_dir), "kv_cache_dtype": kv_cache_dtype,
         "llm_args": {"dtype": auto_dtype_name(), "max_model_len": settings.max_model_len,
                      "max_num_seqs": max(16, settings.num_seqs), "max_num_batched_tokens": 2048},
-        "rows": [{"prompt_ids": r["prompt_ids"], "reference_ids": r["reference_ids"]} for r in rows],
+        "rows": [{key: r[key] for key in ("prompt_ids", "reference_ids")} for r in rows],
         "long_prompts": long_prompts(model_vocab_size(model_dir), settings),
         "num_decode_tokens": settings.num_decode_tokens,
     }  # fmt: skip

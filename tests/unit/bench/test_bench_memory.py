@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.engine.bench_memory import (
-    FULL, QUANTIZED, QUICK, VLLM_SCRIPT, compare_scores, engine_config, measure_vllm, vllm_job,
+    FULL,
+    QUANTIZED,
+    QUICK,
+    VLLM_SCRIPT,
+    compare_scores,
+    engine_config,
+    measure_vllm,
+    vllm_job,
 )  # fmt: skip
 from bench.engine.quant_quality import read_rows
-from engine.quant.awq import DEFAULT_CALIBRATION_PATH
 from engine.config import KV_CACHE_DTYPES
+from engine.quant.awq import DEFAULT_CALIBRATION_PATH
 
 FP32_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
 """The default model's K and V of one token in fp32: 30 layers, 3 KV heads of 64."""
