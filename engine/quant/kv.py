@@ -29,8 +29,9 @@ sum). Over the 64 quality prompts (fp32 model, teacher-forced, one run) it took 
 top-1 agreement with the fp32 cache from 0.984 to 0.993 and its perplexity change from
 +0.12% to +0.01%; in bf16 (16 prompts, against the bf16 cache) from 0.974 to 0.983,
 its perplexity change +0.04% to +0.3%, and long-context decode (bench_memory --quick)
-0.98-1.08x the bf16 cache's against 1.09-1.15x unrotated. e4m3 codes are not rotated: their steps grow with the value, so an
-outlier costs the rest little, and rotated they lost (0.970 to 0.967, +0.2% to +0.6%).
+0.98-1.08x the bf16 cache's against 1.09-1.15x unrotated. e4m3 codes are not rotated:
+their steps grow with the value, so an outlier costs the rest little, and rotated they
+lost (0.970 to 0.967, +0.2% to +0.6%).
 """
 
 from __future__ import annotations
