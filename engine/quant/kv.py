@@ -28,15 +28,13 @@ orthogonal and its own inverse, so attention rotates its queries the same way
 sum). Over the 64 quality prompts (fp32 model, teacher-forced, one run) it took int8's
 top-1 agreement with the fp32 cache from 0.984 to 0.993 and its perplexity change from
 +0.12% to +0.01%; in bf16 (16 prompts, against the bf16 cache) from 0.974 to 0.983,
-its perplexity change +0.04% to +0.3%, and long-context decode (bench_memory --quick)
-0.98-1.08x the bf16 cache's against 1.09-1.15x unrotated. e4m3 codes are not rotated:
-their steps grow with the value, so an outlier costs the rest little, and rotated they
-lost (0.970 to 0.967, +0.2% to +0.6%).
+its perplexity change +0.04% to +0.3%, at a cost: long-context decode (bench_memory
+--quick shapes) 0.89-0.92x the bf16 cache's against 1.09-1.15x unrotated. e4m3 codes
+are not rotated: their steps grow with the value, so an outlier costs the rest little,
+and rotated they lost (0.970 to 0.967, +0.2% to +0.6%).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -73,22 +71,20 @@ def allocate(
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] times the normalized Hadamard matrix over blocks of the last dimension (the
     largest power of two dividing D: all of it for the usual 64 or 128), which is its own
-    inverse. One fp32 matmul (a fast Walsh-Hadamard transform's six passes of small ops
-    cost a tenth of a long-context decode step); each row's products are summed in the
-    same order whatever the other rows (tested), so batch invariance holds."""
+    inverse. A fast Walsh-Hadamard transform in fp32: adds and subtracts within each row,
+    so a row's result never depends on the other rows of its step (batch invariance). A
+    matmul by the matrix is faster (long-context int8 decode 0.98-1.08x the bf16 cache's
+    against 0.89-0.92x) but its rows changed with the batch on the AVX2 kernels."""
     head_dim = x.shape[-1]
     block = head_dim & -head_dim
-    rows = x.reshape(-1, block).float() @ _hadamard(block, x.device)
-    return rows.reshape(x.shape).to(x.dtype)
-
-
-@functools.cache
-def _hadamard(size: int, device: torch.device) -> torch.Tensor:
-    """The normalized Hadamard matrix of `size` (a power of two), by Sylvester's doubling."""
-    matrix = torch.ones(1, 1)
-    while matrix.shape[0] < size:
-        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)])
-    return (matrix / size**0.5).to(device)
+    y = x.float().reshape(-1, head_dim // block, block)
+    half = 1
+    while half < block:
+        pairs = y.reshape(*y.shape[:2], block // (2 * half), 2, half)
+        low, high = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((low + high, low - high), dim=-2)
+        half *= 2
+    return (y * block**-0.5).reshape(x.shape).to(x.dtype)
 
 
 def is_rotated(cache: torch.Tensor) -> bool:
