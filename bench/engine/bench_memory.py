@@ -24,7 +24,6 @@ each against vLLM's model-dtype cache at the same KV space: `..._vllm_fp8_vs_aut
 from __future__ import annotations
 
 import gc
-import json
 import math
 import random
 import time
@@ -39,7 +38,7 @@ from bench.report import emit
 from engine.config import KV_CACHE_DTYPES, EngineConfig, auto_dtype_name
 from engine.engine import LLMEngine
 from engine.model.batch_invariance import request_reproducible_blas
-from engine.model.loader import resolve_model_dir
+from engine.model.loader import model_args, resolve_model_dir
 from engine.offline import run_all
 from engine.quant.awq import DEFAULT_CALIBRATION_PATH
 from engine.sampling_params import SamplingParams
@@ -175,7 +174,7 @@ def measure_vllm(
         kv_max_num_seqs=slots // settings.max_model_len,
         num_kv_blocks=result["num_kv_blocks"],
         decode_tok_s=result["decode_tok_s"],
-        scores=[[(logprob, top1) for logprob, top1 in row] for row in result["scores"]],
+        scores=[[tuple(score) for score in row] for row in result["scores"]],
     )
 
 
@@ -186,16 +185,12 @@ def vllm_job(kv_cache_dtype: str, settings: Settings, rows: list[dict]) -> dict:
     return {
         "model": str(model_dir), "kv_cache_dtype": kv_cache_dtype,
         "llm_args": {"dtype": auto_dtype_name(), "max_model_len": settings.max_model_len,
-                     "max_num_seqs": max(16, settings.num_seqs), "max_num_batched_tokens": 2048},
+                     "max_num_seqs": engine_config("auto", settings, threads=1).max_num_seqs,
+                     "max_num_batched_tokens": 2048},
         "rows": [{key: r[key] for key in ("prompt_ids", "reference_ids")} for r in rows],
-        "long_prompts": long_prompts(model_vocab_size(model_dir), settings),
+        "long_prompts": long_prompts(model_args(model_dir).vocab_size, settings),
         "num_decode_tokens": settings.num_decode_tokens,
     }  # fmt: skip
-
-
-def model_vocab_size(model_dir: Path) -> int:
-    """The vocabulary of the model folder's config.json."""
-    return json.loads((model_dir / "config.json").read_text())["vocab_size"]
 
 
 def report(results: dict[str, Measured], baseline: str, common: dict) -> None:
