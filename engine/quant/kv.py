@@ -28,8 +28,9 @@ orthogonal and its own inverse, so attention rotates its queries the same way
 sum). Over the 64 quality prompts (fp32 model, teacher-forced, one run) it took int8's
 top-1 agreement with the fp32 cache from 0.984 to 0.993 and its perplexity change from
 +0.12% to +0.01%; in bf16 (16 prompts, against the bf16 cache) from 0.974 to 0.983,
-its perplexity change +0.04% to +0.3%, at a cost: long-context decode (bench_memory
---quick shapes) 0.89-0.92x the bf16 cache's against 1.09-1.15x unrotated. e4m3 codes
+its perplexity change +0.04% to +0.3%. In torch ops the rotation cost long-context
+decode a fifth of attention (15 of 72 ms a step, 16 sequences x 2,000 tokens); the C
+kernel does it in one call per tensor (engine/kernels/hadamard.c). e4m3 codes
 are not rotated: their steps grow with the value, so an outlier costs the rest little,
 and rotated they lost (0.970 to 0.967, +0.2% to +0.6%).
 """
@@ -39,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import KV_CACHE_DTYPES
+from engine.kernels import hadamard as hadamard_kernel
 
 SCALE_BYTES = 2
 """The bf16 scale closing every quantized row."""
@@ -72,9 +74,18 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] times the normalized Hadamard matrix over blocks of the last dimension (the
     largest power of two dividing D: all of it for the usual 64 or 128), which is its own
     inverse. A fast Walsh-Hadamard transform in fp32: adds and subtracts within each row,
-    so a row's result never depends on the other rows of its step (batch invariance). A
-    matmul by the matrix is faster (long-context int8 decode 0.98-1.08x the bf16 cache's
-    against 0.89-0.92x) but its rows changed with the batch on the AVX2 kernels."""
+    so a row's result never depends on the other rows of its step (batch invariance); in
+    the C kernel on the CPU (engine/kernels/hadamard.c), bit for bit `rotate_reference`.
+    A matmul by the matrix is not invariant: its rows changed with the batch on the AVX2
+    kernels."""
+    block = x.shape[-1] & -x.shape[-1]
+    if hadamard_kernel.takes(x):
+        return hadamard_kernel.hadamard(x, block)
+    return rotate_reference(x)
+
+
+def rotate_reference(x: torch.Tensor) -> torch.Tensor:
+    """`rotate` in torch ops: one butterfly stage per doubling of the pair distance."""
     head_dim = x.shape[-1]
     block = head_dim & -head_dim
     y = x.float().reshape(-1, head_dim // block, block)

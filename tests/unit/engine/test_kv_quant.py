@@ -11,6 +11,7 @@ import torch
 from bench.engine.bench_memory import compare_scores, continuation_scores
 from bench.engine.quant_quality import read_rows
 from engine.config import EngineConfig, SpecDecodeConfig
+from engine.kernels import hadamard as hadamard_kernel
 from engine.kernels import paged_attention as kernels
 from engine.model import attention
 from engine.model.attention import AttentionMetadata, KernelGroup
@@ -77,15 +78,26 @@ def _sylvester_hadamard(size: int) -> torch.Tensor:
 @pytest.mark.parametrize(("head_dim", "block"), [(64, 64), (128, 128), (96, 32), (80, 16)])
 def test_rotation_is_the_hadamard_transform_over_blocks_and_its_own_inverse(head_dim, block):
     x = torch.randn(7, 3, head_dim, dtype=torch.float64).float()
-    rotated = kv.rotate(x)
+    rotated = kv.rotate_reference(x)
     by_matrix = (x.view(7, 3, head_dim // block, block) @ _sylvester_hadamard(block)).view_as(x)
     torch.testing.assert_close(rotated, by_matrix, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(kv.rotate(rotated), x, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv.rotate_reference(rotated), x, atol=1e-5, rtol=1e-5)
 
 
-def test_rotation_of_a_row_is_bit_for_bit_the_same_alone_or_in_a_batch():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 96, 80])
+def test_rotation_kernel_is_bit_for_bit_the_torch_reference(head_dim, dtype):
+    if not hadamard_kernel.takes(torch.zeros(1, dtype=dtype)):
+        pytest.skip("no C compiler: the torch path runs")
+    x = (torch.randn(5, 9, head_dim) * 3).to(dtype)
+    assert torch.equal(hadamard_kernel.hadamard(x, head_dim & -head_dim), kv.rotate_reference(x))
+    assert torch.equal(kv.rotate(x), kv.rotate_reference(x))
+
+
+@pytest.mark.parametrize("rotate", [kv.rotate, kv.rotate_reference])
+def test_rotation_of_a_row_is_bit_for_bit_the_same_alone_or_in_a_batch(rotate):
     x = torch.randn(33, 9, 64).to(torch.bfloat16)
-    assert torch.equal(kv.rotate(x)[17], kv.rotate(x[17:18])[0])
+    assert torch.equal(rotate(x)[17], rotate(x[17:18])[0])
 
 
 def test_rotation_shrinks_the_int8_error_of_keys_with_outlier_channels():
