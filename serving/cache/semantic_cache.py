@@ -134,14 +134,23 @@ class SemanticCache:
         """Start the generation (`events`' first item) and the lookup together, filling
         `lookup` in. A hit cancels the generation (nothing comes out); a miss hands back
         the events, the first under way. The caller holds `lookup` before the race, so a
-        generation cancelled for a hit already knows it was one."""
-        first = asyncio.ensure_future(anext(events))
-        await self.fill(lookup, request_id)
+        generation cancelled for a hit already knows it was one.
+
+        Text embedded before (an exact repeat) needs no embedding: its lookup ends before
+        a generation would have taken its first step, so none is started for it unless it
+        misses (starting one only to cancel it cost a hit more than the lookup itself)."""
+        if lookup.query.text in self._memo:
+            await self.fill(lookup, request_id)
+            first = None
+        else:
+            first = asyncio.ensure_future(anext(events))
+            await self.fill(lookup, request_id)
         if not lookup.hit:
-            return _after(first, events)
-        first.cancel()
-        with suppress(asyncio.CancelledError, Exception):
-            await first
+            return events if first is None else _after(first, events)
+        if first is not None:
+            first.cancel()
+            with suppress(asyncio.CancelledError, Exception):
+                await first
         await events.aclose()  # type: ignore[attr-defined]  # an async generator's
         return _after(None, events)
 

@@ -59,17 +59,29 @@ def _answer(text: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
+class _RoundTripStore(MemoryStore):
+    """A memory store whose reads wait a round trip, as Redis's do: a generation raced
+    against the lookup gets to start meanwhile."""
+
+    async def get(self, entry_id: str) -> CacheEntry | None:
+        await asyncio.sleep(0.002)
+        return await super().get(entry_id)
+
+
 class _Cache:
     """A SemanticCache over a memory store, counting the embedding calls."""
 
-    def __init__(self, threshold: float = 0.9, bounds: StoreBounds = BIG) -> None:
+    def __init__(
+        self, threshold: float = 0.9, bounds: StoreBounds = BIG, store: type = MemoryStore
+    ) -> None:
         self.calls = 0
         config = SemanticCacheConfig(enabled=True, threshold=threshold)
-        self.store = MemoryStore(bounds)
+        self.store = store(bounds)
         self.cache = SemanticCache(config, "m", self._embed, self.store, CollectorRegistry())
 
     async def _embed(self, text: str, priority: int, request_id: str) -> np.ndarray:
         self.calls += 1
+        await asyncio.sleep(0.005)  # a call to the embedding pool: the generation starts
         return _bag(text)
 
     async def ask(self, body: ChatCompletionRequest, answer: str | None = None):
@@ -175,29 +187,40 @@ def test_entries_expire_after_their_ttl() -> None:
 
 
 def test_a_hit_cancels_the_generation_and_a_miss_keeps_it() -> None:
+    """A new text races its generation; an exact repeat (its embedding remembered) is looked
+    up first and starts a generation only on a miss."""
+
     async def run() -> None:
-        helper = _Cache()
-        closed: list[bool] = []
+        helper = _Cache(store=_RoundTripStore)
+        started: list[str] = []
 
-        async def generation() -> AsyncIterator[str]:
-            try:
-                await asyncio.sleep(0.01)
-                yield "first"
-                yield "second"
-            finally:
-                closed.append(True)
+        async def generation(name: str) -> AsyncIterator[str]:
+            started.append(name)
+            await asyncio.sleep(0.01)
+            yield "first"
+            yield "second"
 
-        query = helper.cache.query(_body("Hello there?"), STANDARD, {})
-        assert query is not None
-        lookup = Lookup(query, STANDARD)
-        events = await helper.cache.race(lookup, "r", generation())
+        def race(question: str, name: str, **fields: Any) -> tuple[Lookup, AsyncIterator[str]]:
+            query = helper.cache.query(_body(question, **fields), STANDARD, {})
+            assert query is not None
+            return Lookup(query, STANDARD), generation(name)
+
+        lookup, miss = race("Hello there?", "miss")
+        events = await helper.cache.race(lookup, "r", miss)
         assert not lookup.hit and [e async for e in events] == ["first", "second"]
         helper.cache.remember(lookup, _answer("Hi."))
         await asyncio.sleep(0)
-        second, lookup = generation(), Lookup(query, STANDARD)
-        events = await helper.cache.race(lookup, "r", second)
+        lookup, reworded = race("there hello?", "reworded")  # the same words, a new text
+        events = await helper.cache.race(lookup, "r", reworded)
         assert lookup.hit and [e async for e in events] == []
-        assert second.ag_frame is None  # closed: nothing more is generated
+        assert reworded.ag_frame is None  # closed: nothing more is generated
+        lookup, repeat = race("  HELLO there? ", "repeat")  # the first text, normalized
+        events = await helper.cache.race(lookup, "r", repeat)
+        assert lookup.hit and [e async for e in events] == []
+        lookup, repeat_miss = race("Hello there?", "repeat_miss", max_tokens=7)  # another key
+        events = await helper.cache.race(lookup, "r", repeat_miss)
+        assert not lookup.hit and [e async for e in events] == ["first", "second"]
+        assert started == ["miss", "reworded", "repeat_miss"]
 
     asyncio.run(run())
 
