@@ -115,7 +115,7 @@ class Ingress:
             },
             **ServiceRoutes(
                 self._planner.model_names,
-                tuple(self._pools),
+                config.pools,
                 self._monitor,
                 self._slo_watch,
                 self._telemetry,

@@ -11,8 +11,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from policies.model_routing import AUTO_MODEL
+from serving.config import PoolConfig
 from serving.http.routes import Call, Route
-from serving.http.schemas.responses import ModelCard, ModelList
+from serving.http.schemas.responses import ModelCard, ModelList, PoolModel
 from serving.pools.pool_monitor import PoolMonitor
 from serving.pools.slo_watch import SloWatch
 from serving.telemetry import Telemetry
@@ -23,7 +24,7 @@ class ServiceRoutes:
     """Handlers over the ingress's live view of its pools; none of them touches a pool."""
 
     model_names: tuple[str, ...]
-    pool_names: tuple[str, ...]
+    pools: tuple[PoolConfig, ...]
     monitor: PoolMonitor
     slo_watch: SloWatch
     telemetry: Telemetry
@@ -36,11 +37,30 @@ class ServiceRoutes:
             ("GET", "/metrics"): Route(self._metrics),
         }
 
+    @property
+    def pool_names(self) -> tuple[str, ...]:
+        """Every pool's name, as health reports them."""
+        return tuple(pool.name for pool in self.pools)
+
     async def _list_models(self, request: Request, call: Call) -> Response:
-        """The models requests may name (`auto`, which lets the router choose, is not one)."""
+        """The models requests may name (`auto`, which lets the router choose, is not one),
+        each with the pools serving it and their context lengths."""
         names = [n for n in self.model_names if n != AUTO_MODEL]
-        cards = [ModelCard(id=name, created=0) for name in names]
+        cards = [self._model_card(name) for name in names]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+
+    def _model_card(self, name: str) -> ModelCard:
+        pools = [
+            PoolModel(
+                pool=pool.name,
+                model=pool.engine.model,
+                max_model_len=self.monitor.reported_max_model_len(pool.name),
+            )
+            for pool in self.pools
+            if pool.model_name == name
+        ]
+        lengths = [p.max_model_len for p in pools if p.max_model_len is not None]
+        return ModelCard(id=name, created=0, max_model_len=max(lengths, default=None), pools=pools)
 
     async def _health(self, request: Request, call: Call) -> Response:
         """503 while some pool has no live replica, so a load balancer routes elsewhere; a

@@ -158,6 +158,10 @@ class PoolMonitor:
         chooses pools with a live replica, so it has been heard)."""
         return self._max_model_len[pool]
 
+    def reported_max_model_len(self, pool: str) -> int | None:
+        """The pool's context length once a replica has reported it, else None."""
+        return self._max_model_len.get(pool)
+
     def replica_stats(self, pool: str) -> list[EngineStats]:
         """The latest stats of each live replica of `pool`."""
         return [seen.stats for seen in self._live(pool)]

@@ -279,6 +279,13 @@ def test_rate_limit_answers_429_with_retry_after(base_url: str) -> None:
 
 def test_models_health_and_metrics(base_url: str, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL, SMALL_MODEL]
+    listed = httpx.get(f"{base_url}/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    for card in listed.json()["data"]:  # each model with the pools serving it, as configured
+        pools = [p for p in _config().pools if p.model_name == card["id"]]
+        assert card["pools"] == [
+            {"pool": p.name, "model": p.engine.model, "max_model_len": 4096} for p in pools
+        ]
+        assert card["max_model_len"] == 4096
     assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
     _chat(client, max_tokens=2, extra_headers={"X-SLA-Tier": "interactive"})
     assert httpx.get(f"{base_url}/metrics").status_code == 401  # keys are required here

@@ -151,6 +151,16 @@ class CompletionResponse(_Completion):
     usage: Usage | None = None
 
 
+class PoolModel(BaseModel):
+    """One pool serving a model, as `GET /v1/models` describes it."""
+
+    pool: str
+    model: str
+    """The pool's `engine.model`: `default`, `student`, a model folder or a GGUF file."""
+    max_model_len: int | None
+    """Its context length as its replicas report it (None before one has)."""
+
+
 class ModelCard(BaseModel):
     """One entry of `GET /v1/models`."""
 
@@ -158,6 +168,11 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "tierserve"
+    max_model_len: int | None = None
+    """vLLM's field: the longest context a request naming the model can have, the largest
+    of its pools' (None before any has reported)."""
+    pools: list[PoolModel] = []
+    """The pools serving it (placement chooses among them by tier and load)."""
 
 
 class ModelList(BaseModel):
