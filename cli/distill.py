@@ -7,6 +7,14 @@ the whole run (teacher answers and card included) takes ~15 minutes on 2 cores
 by default, and a run slower than `--expected-minutes` warns. Progress lines go
 to standard output (the background run's log). Ctrl-C stops it with a
 checkpoint; the same command resumes.
+
+It trains no router, in the foreground or when a small pool runs it in the
+background: labelling the router's prompt set answers every prompt with both
+models, minutes more on top of a run already held to ~15. The student of the
+default command needs none: configs/router.json was fitted to that recipe
+(policies.difficulty.student_recipe) and the ingress uses it for that student;
+a student of any other command gets its own from `tierserve router train`,
+which writes it into the student's folder.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import default_cache_dir
-from engine.model.students import CARD_FILE
+from engine.model.students import read_card
 from small_model.distill.run import DEFAULT_PROMPTS, DistillSettings, distill
 from small_model.distill.student import DEFAULT_KEEP_LAYERS
 from small_model.distill.trainer import TrainSettings
@@ -57,7 +65,15 @@ def run(args: argparse.Namespace) -> int:
     import torch  # the batch client never needs it
 
     torch.set_num_threads(args.threads)
-    settings = DistillSettings(
+    folder = distill(settings(args), args.cache_dir, show_progress=not args.quiet)
+    print(f"student: {folder}")
+    print(json.dumps(read_card(folder), indent=2))
+    return 0
+
+
+def settings(args: argparse.Namespace) -> DistillSettings:
+    """The run the command line asks for (with `--threads`, the student's recipe)."""
+    return DistillSettings(
         prompts_file=args.prompts,
         max_prompts=args.max_prompts,
         max_answer_tokens=args.max_answer_tokens,
@@ -68,10 +84,6 @@ def run(args: argparse.Namespace) -> int:
             expected_minutes=args.expected_minutes,
         ),
     )
-    folder = distill(settings, args.cache_dir, show_progress=not args.quiet)
-    print(f"student: {folder}")
-    print(json.dumps(json.loads((folder / CARD_FILE).read_text()), indent=2))
-    return 0
 
 
 def _layers(text: str) -> tuple[int, ...]:

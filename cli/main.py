@@ -12,15 +12,20 @@ from cli import distill as distill_cli
 from cli import router as router_cli
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the command line and run the chosen command; its exit status."""
-    parser = argparse.ArgumentParser(prog="tierserve", description=__doc__)
-    commands = parser.add_subparsers(dest="group", required=True)
+def parser() -> argparse.ArgumentParser:
+    """Every command and its options (tests read a command's defaults here)."""
+    top = argparse.ArgumentParser(prog="tierserve", description=__doc__)
+    commands = top.add_subparsers(dest="group", required=True)
     batch_cli.add_commands(commands)
     cache_cli.add_commands(commands)
     distill_cli.add_commands(commands)
     router_cli.add_commands(commands)
-    args = parser.parse_args(argv)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run the chosen command; its exit status."""
+    args = parser().parse_args(argv)
     status: int = args.run(args)
     return status
 

@@ -24,12 +24,14 @@ import math
 import re
 import string
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 1
-"""Of a saved model; bump it when a feature's definition changes."""
+FORMAT_VERSION = 2
+"""Of a saved model; bump it when a feature's definition changes. Version 2 added the
+student the router was fitted to; version 1 files still load, fitted to no known student."""
+READABLE_VERSIONS = (1, FORMAT_VERSION)
 MAX_CHARS = 4000
 """Only the prompt's first characters are read, so a huge prompt costs bounded time."""
 MAX_WORD_LENGTH = 20.0
@@ -152,6 +154,38 @@ def _word_shape(words: list[str], vocabulary: set[str]) -> dict[str, float]:
     }
 
 
+def student_recipe(settings_fingerprint: str, num_threads: int) -> str:
+    """What makes a student's weights: its distillation settings and thread count. The same
+    recipe publishes the same weights, bit for bit, on machines of one kind."""
+    return f"{settings_fingerprint}-t{num_threads}"
+
+
+@dataclass(frozen=True)
+class StudentIdentity:
+    """A student a router may be fitted to. Its name (`student-vN`) is for people only: every
+    cache numbers its own students, so two caches' student-v1 may differ. Its weights digest
+    names the very student; its recipe, the students one distillation command publishes."""
+
+    name: str
+    weights_sha256: str | None = None
+    recipe: str | None = None
+
+    @classmethod
+    def from_card(cls, name: str, card: Mapping[str, Any]) -> StudentIdentity:
+        """The identity a student's model card records (missing fields: None)."""
+        reproducible = card.get("reproducible") or {}
+        fingerprint = reproducible.get("settings_fingerprint")
+        threads = reproducible.get("num_threads")
+        recipe = student_recipe(fingerprint, threads) if fingerprint and threads else None
+        return cls(name, reproducible.get("weights_sha256"), recipe)
+
+    def __str__(self) -> str:
+        """For log lines: the name and what identifies it."""
+        if self.weights_sha256:
+            return f"{self.name} (weights {self.weights_sha256[:12]})"
+        return f"{self.name} (recipe {self.recipe})"
+
+
 @dataclass(frozen=True)
 class DifficultyModel:
     """A fitted router: the probability that the small model suffices, and the threshold
@@ -171,6 +205,9 @@ class DifficultyModel:
     -inf everything."""
     target_share: float
     """The share of traffic the threshold was calibrated to send to the small model."""
+    student: StudentIdentity | None = None
+    """The student whose answers labelled the training prompts (None: not recorded, as in a
+    version 1 file): the router is only valid for it (see `fits`)."""
 
     def __post_init__(self) -> None:
         if tuple(self.feature_names) != FEATURE_NAMES:
@@ -199,6 +236,18 @@ class DifficultyModel:
         """Whether the request goes to the small model."""
         return self.score(features) >= self.threshold
 
+    def fits(self, served: StudentIdentity) -> bool:
+        """Whether this router was fitted to the `served` student: the very weights where the
+        router recorded them, else the same recipe (what a committed router records: it fits
+        every student the reproducible default command publishes). A router that recorded
+        neither (a version 1 file) fits no student: nothing says whose answers it learned."""
+        fitted = self.student
+        if fitted is None:
+            return False
+        if fitted.weights_sha256 is not None:
+            return fitted.weights_sha256 == served.weights_sha256
+        return fitted.recipe is not None and fitted.recipe == served.recipe
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON data; an infinite threshold is written as the string "inf" or "-inf"
         (strict JSON has no infinity)."""
@@ -212,17 +261,19 @@ class DifficultyModel:
             "scales": list(self.scales),
             "threshold": threshold,
             "target_share": self.target_share,
+            "student": None if self.student is None else asdict(self.student),
         }
 
     @classmethod
     def from_dict(cls, data: Any) -> DifficultyModel:
-        """The model `to_dict` wrote. Raises ValueError for another version, other
-        features (naming the difference) or malformed data."""
+        """The model `to_dict` wrote (or a version 1 file: no student). Raises ValueError for
+        another version, other features (naming the difference) or malformed data."""
         if not isinstance(data, Mapping):
             raise ValueError("difficulty model must be a JSON object")
-        if data.get("version") != FORMAT_VERSION:
+        if data.get("version") not in READABLE_VERSIONS:
             raise ValueError(
-                f"difficulty model version {data.get('version')!r}, expected {FORMAT_VERSION}"
+                f"difficulty model version {data.get('version')!r}, expected one of "
+                f"{READABLE_VERSIONS}"
             )
         try:
             fields: dict[str, Any] = {
@@ -233,6 +284,7 @@ class DifficultyModel:
                 "scales": tuple(map(float, data["scales"])),
                 "threshold": float(data["threshold"]),
                 "target_share": float(data["target_share"]),
+                "student": _student(data.get("student")),
             }
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed difficulty model: {e!r}") from e
@@ -250,6 +302,12 @@ class DifficultyModel:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not JSON: {e}") from e
         return cls.from_dict(data)
+
+
+def _student(data: Any) -> StudentIdentity | None:
+    """The saved student identity, None where none was saved (TypeError for anything but
+    an object of the identity's fields)."""
+    return None if data is None else StudentIdentity(**data)
 
 
 def _difference(names: Sequence[str]) -> str:

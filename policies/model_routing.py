@@ -42,7 +42,8 @@ class ModelChoice:
     """The model chosen (never `auto`); overflow may still run it on the default model."""
     reason: str
     """`pinned` (named a model), `not_routed` (its tier does not route by difficulty),
-    `small_unavailable`, `easy` or `hard` (the router's verdict)."""
+    `small_unavailable`, `no_router` (none fits the student it serves:
+    policies/router_choice.py), `easy` or `hard` (the router's verdict)."""
     difficulty: float | None = None
     """1 - P(the small model answers as well), when the router scored the request."""
 
@@ -52,12 +53,13 @@ def choose_model(
     tier: Tier,
     routes: ModelRoutes,
     small_available: bool,
-    p_small_suffices: Callable[[], tuple[float, bool]],
+    p_small_suffices: Callable[[], tuple[float, bool]] | None,
 ) -> ModelChoice:
     """The model for a request naming `requested` (a served name or `auto`).
 
     `p_small_suffices()` scores the request only when the router is consulted: it
-    returns the probability and whether that clears the router's threshold.
+    returns the probability and whether that clears the router's threshold. None:
+    no router fits the small model, so `auto` stays on the default one.
     """
     if requested == routes.small_model:
         return ModelChoice(_on_small(tier, routes, overflow=False), requested, "pinned")
@@ -67,6 +69,8 @@ def choose_model(
         return ModelChoice(tier, routes.default_model, "not_routed")
     if not small_available:
         return ModelChoice(tier, routes.default_model, "small_unavailable")
+    if p_small_suffices is None:
+        return ModelChoice(tier, routes.default_model, "no_router")
     probability, easy = p_small_suffices()
     if not easy:
         return ModelChoice(tier, routes.default_model, "hard", 1 - probability)

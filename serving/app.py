@@ -72,8 +72,8 @@ def app_builder(args: dict[str, Any]) -> Application:
 
 
 def _difficulty_model(config: TierserveConfig) -> DifficultyModel | None:
-    """The router the config names, read here (where `serve run` starts) so it travels with
-    the app to the ingress, wherever that runs."""
+    """The fallback router the config names, read here (where `serve run` starts) so it
+    travels with the app to the ingress, wherever that runs."""
     if config.small_model is None:
         return None
     path = config.small_model.router_file

@@ -246,8 +246,9 @@ class SmallModelConfig(_Strict):
     pool: str
     """The pool serving the small model; no tier names it, requests reach it by model."""
     router_file: Path = Path("configs/router.json")
-    """The difficulty router (`tierserve router train` writes it), read when the app is
-    built; relative paths are from the directory `serve run` starts in."""
+    """The fallback difficulty router, read when the app is built (relative paths are from
+    the directory `serve run` starts in): used only for the student it was fitted to, when
+    that student has no router of its own beside it (policies/router_choice.py)."""
 
 
 class IngressConfig(_Strict):

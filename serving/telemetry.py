@@ -134,7 +134,7 @@ class Telemetry:
         )  # fmt: skip
         self._model_decisions = Counter(
             "tierserve:model_decisions", "Model choices by tier, model and reason "
-            "(pinned, not_routed, small_unavailable, easy, hard).",
+            "(pinned, not_routed, small_unavailable, no_router, easy, hard).",
             ["tier", "model", "reason"], registry=r,
         )  # fmt: skip
         self._prediction_error = Histogram(

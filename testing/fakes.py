@@ -4,17 +4,27 @@ deployment tests, and a scripted draft proposer for speculation tests."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.model.students import STUDENT_MODEL, latest_student
+from engine.model.students import (
+    CARD_FILE,
+    ROUTER_FILE,
+    STUDENT_MODEL,
+    latest_student,
+    students_dir,
+)
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import DEFAULT_URGENCY, Request, Urgency
 from engine.sampling_params import SamplingParams
 from engine.spec_decode import Proposal
+from policies.difficulty import DifficultyModel
+from policies.router_choice import ServedStudent
 from serving.pools.pool import ReplicaStats
 
 TOKEN_DELAY_S = 0.005
@@ -54,6 +64,20 @@ class FakeTokenizer:
     ) -> str:
         """Roles as tags, the assistant turn opened."""
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+def publish_fake_student(
+    cache_dir: Path, name: str, weights_sha256: str, router: DifficultyModel | None = None
+) -> Path:
+    """What `tierserve distill` publishes as `name`, less the weights (a fake engine loads
+    none): its folder with a model card naming the weights' digest, and `router` beside it."""
+    folder = students_dir(cache_dir) / name
+    folder.mkdir(parents=True)
+    if router is not None:
+        router.save(folder / ROUTER_FILE)
+    card = {"name": name, "reproducible": {"weights_sha256": weights_sha256}}
+    (folder / CARD_FILE).write_text(json.dumps(card))  # last: a student is one with a card
+    return folder
 
 
 class FakeEngine:
@@ -213,12 +237,19 @@ class StatslessQueueingFakeEngine(QueueingFakeEngine):
 
 class FakePoolHandle:
     """Stands in for a pool's DeploymentHandle where only `handle.stats.remote()` is used:
-    answers the fake engine's stats, or, with no engine (a pool without replicas), never."""
+    answers the fake engine's stats, or, with no engine (a pool without replicas), never.
+    `student` is what its replica reports serving (set it to play a new student's rollout)."""
 
-    def __init__(self, engine: FakeEngine | None, grammar_mask_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        engine: FakeEngine | None,
+        grammar_mask_s: float = 0.0,
+        student: ServedStudent | None = None,
+    ) -> None:
         self.stats = self
         self._engine = engine
         self._grammar_mask_s = grammar_mask_s
+        self.student = student
         self.calls: list[asyncio.Future[ReplicaStats]] = []
 
     def remote(self) -> asyncio.Future[ReplicaStats]:
@@ -227,7 +258,11 @@ class FakePoolHandle:
         if self._engine is not None:
             engine = self._engine
             stats = ReplicaStats(
-                "r0", engine.stats(), engine.max_model_len, grammar_mask_s=self._grammar_mask_s
+                "r0",
+                engine.stats(),
+                engine.max_model_len,
+                grammar_mask_s=self._grammar_mask_s,
+                student=self.student,
             )
             call.set_result(stats)
         self.calls.append(call)

@@ -47,6 +47,7 @@ from serving.http.request_body import read_json_object
 from serving.http.routes import Call, Route, RouteTable
 from serving.http.service_routes import ServiceRoutes
 from serving.http.sse import prepend, sse_stream
+from serving.http.student_router import StudentRouter
 from serving.pools.calls import first_answer
 from serving.pools.pool_monitor import PoolMonitor, serve_running_replicas
 from serving.pools.slo_watch import SloWatch
@@ -74,6 +75,7 @@ class Ingress:
         batch_runner: DeploymentHandle | None = None,
         router: DifficultyModel | None = None,
     ) -> None:
+        """`router` is the configured one: the fallback of serving/http/student_router.py."""
         self._config = config
         self._pools = pools
         self._tokenizer = await _default_model_tokenizer(config, pools)
@@ -83,8 +85,10 @@ class Ingress:
             pool_configs, pools, config.stats_poll_interval_s, serve_running_replicas(pools)
         )
         self._telemetry = Telemetry(config.model_name, pool_configs, self._monitor)
+        small = config.small_model
+        self._router = None if small is None else StudentRouter(small.pool, router, self._monitor)
         self._planner = Planner(
-            config, router, self._gateway, self._monitor, self._telemetry, self._tokenizer
+            config, self._router, self._gateway, self._monitor, self._telemetry, self._tokenizer
         )
         await self._monitor.poll_once()
         self._poller = asyncio.create_task(self._monitor.poll_forever())
@@ -119,6 +123,7 @@ class Ingress:
                 self._monitor,
                 self._slo_watch,
                 self._telemetry,
+                self._router,
             ).routes(),
         }
         routes.update(self.embeddings.routes())

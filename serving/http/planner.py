@@ -14,7 +14,7 @@ import random
 import time
 from typing import Protocol
 
-from policies.difficulty import DifficultyModel, prompt_features
+from policies.difficulty import prompt_features
 from policies.model_routing import ModelChoice, ModelRoutes, choose_model
 from policies.placement import RequestShape, ShedFirst, place
 from policies.tiers import Tier, resolve_tier
@@ -32,6 +32,7 @@ from serving.http.gateway import Gateway
 from serving.http.openai_api import ChatEndpoint, Endpoint
 from serving.http.schemas.sampling import SamplingFields
 from serving.http.streaming import SequenceProgress
+from serving.http.student_router import StudentRouter
 from serving.pools.pool_monitor import PoolMonitor
 from serving.telemetry import Admission, Telemetry
 
@@ -48,7 +49,7 @@ class Planner:
     def __init__(
         self,
         config: IngressConfig,
-        router: DifficultyModel | None,
+        router: StudentRouter | None,
         gateway: Gateway,
         monitor: PoolMonitor,
         telemetry: Telemetry,
@@ -148,14 +149,16 @@ class Planner:
         """The model for this request (policies/model_routing.py); counted in the metrics."""
         small_pool = self._models.small_pool
         available = small_pool is not None and bool(self._monitor.replica_stats(small_pool))
+        router = None if self._router is None else self._router.choice().router
 
         def score() -> tuple[float, bool]:
             """The router's verdict, computed only when the choice needs it."""
-            assert self._router is not None  # a small model is configured only with a router
+            assert router is not None  # passed only with a router
             features = prompt_features(body.routing_text, num_tokens, body.requested_max_tokens)
-            return self._router.score(features), self._router.routes_to_small(features)
+            return router.score(features), router.routes_to_small(features)
 
-        choice = choose_model(body.model, tier, self._models, available, score)
+        scorer = None if router is None else score
+        choice = choose_model(body.model, tier, self._models, available, scorer)
         self._telemetry.count_model_decision(tier.name, choice.model, choice.reason)
         return choice
 

@@ -14,6 +14,7 @@ from policies.model_routing import AUTO_MODEL
 from serving.config import PoolConfig
 from serving.http.routes import Call, Route
 from serving.http.schemas.responses import ModelCard, ModelList, PoolModel
+from serving.http.student_router import StudentRouter
 from serving.pools.pool_monitor import PoolMonitor
 from serving.pools.slo_watch import SloWatch
 from serving.telemetry import Telemetry
@@ -28,6 +29,8 @@ class ServiceRoutes:
     monitor: PoolMonitor
     slo_watch: SloWatch
     telemetry: Telemetry
+    router: StudentRouter | None = None
+    """The difficulty router's choice, with a small model."""
 
     def routes(self) -> dict[tuple[str, str], Route]:
         """Method and path of each route; only /health answers without a key."""
@@ -66,7 +69,9 @@ class ServiceRoutes:
         """503 while some pool has no live replica, so a load balancer routes elsewhere; a
         pool still waiting for its model (the small model before it is distilled) is named
         in `unavailable` but does not fail the check: everything else serves. Tiers whose
-        SLO their pools miss even idle are named in `slo_infeasible` (it serves, late)."""
+        SLO their pools miss even idle are named in `slo_infeasible` (it serves, late). With
+        a small model, `difficulty_router` says which router routes `model: auto` for the
+        student it serves, or why none does."""
         waiting = {
             name: reason
             for name in self.pool_names
@@ -78,6 +83,8 @@ class ServiceRoutes:
         details: dict[str, Any] = {"unavailable": waiting} if waiting else {}
         if infeasible := self.slo_watch.infeasible():
             details["slo_infeasible"] = infeasible
+        if self.router is not None:
+            details["difficulty_router"] = self.router.health()
         if down:
             body = {"status": "degraded", "pools_down": down, **details}
             return JSONResponse(body, status_code=503)

@@ -21,6 +21,8 @@ from engine.model.students import StudentMissing
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import DEFAULT_URGENCY, Urgency
 from engine.sampling_params import SamplingParams
+from policies.router_choice import ServedStudent
+from serving.pools.served_student import pin_student
 from serving.pools.student_wait import wait_for_student, waiting_reason
 
 log = logging.getLogger(__name__)
@@ -97,6 +99,9 @@ class ReplicaStats:
     grammar_mask_s: float = 0.0
     """What one constrained row's grammar mask adds to a step here, measured when the
     engine came up (engine/grammar.py `mask_cost_s`; 0 for a test fake)."""
+    student: ServedStudent | None = None
+    """The distilled student the engine runs and the router beside it (None: no student),
+    so the ingress routes by the router fitted to it."""
 
 
 EngineFactory = Callable[[EngineConfig], Engine]
@@ -144,6 +149,7 @@ class Pool:
             configure_process(config)
         self._max_num_seqs = config.max_num_seqs
         self._engine: Engine | None = None
+        self._student: ServedStudent | None = None
         self._student_wait_distills: bool | None = None
         """None unless the replica waits for a student; then whether it distils one meanwhile."""
         self._cache_dir = config.cache_dir
@@ -152,7 +158,7 @@ class Pool:
         self._grammar_mask_s = 0.0
         factory = engine_cls or _default_engine_cls()
         try:
-            self._serve(factory(config))
+            self._start(config, factory)
         except StudentMissing:
             self._student_wait_distills = distill_if_missing
             waiter = threading.Thread(
@@ -168,13 +174,19 @@ class Pool:
         a failure surfaces in check_health, so Serve replaces the replica."""
         try:
             wait_for_student(config.cache_dir, distill)
-            self._serve(factory(config))
+            self._start(config, factory)
         except Exception as error:
             log.exception("loading the distilled student failed")
             self._load_error = error
             return
         self._student_wait_distills = None
         log.warning("the distilled student is loaded: this pool now serves")
+
+    def _start(self, config: EngineConfig, factory: EngineFactory) -> None:
+        """Build the engine and serve it; a student is pinned to its folder first, so the
+        replica reports the student it loaded (serving/pools/served_student.py)."""
+        config, self._student = pin_student(config)
+        self._serve(factory(config))
 
     def _serve(self, engine: Engine) -> None:
         """Start serving `engine`, its grammar mask cost measured first (real engines only:
@@ -223,6 +235,7 @@ class Pool:
             self._engine.stats(),
             self._engine.max_model_len,
             grammar_mask_s=self._grammar_mask_s,
+            student=self._student,
         )
 
     def check_health(self) -> None:

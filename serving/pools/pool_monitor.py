@@ -27,6 +27,7 @@ from ray.serve.handle import DeploymentHandle
 
 from engine.outputs import EngineStats
 from policies.latency import InFlightSequence, PoolState, StepCost
+from policies.router_choice import ServedStudent
 from serving.config import PoolConfig
 from serving.pools.calls import within
 from serving.pools.pool import ReplicaStats
@@ -53,6 +54,7 @@ class _Seen:
     stats: EngineStats
     at_s: float
     grammar_mask_s: float = 0.0
+    student: ServedStudent | None = None
 
 
 @dataclass(eq=False)
@@ -166,6 +168,11 @@ class PoolMonitor:
         """The latest stats of each live replica of `pool`."""
         return [seen.stats for seen in self._live(pool)]
 
+    def served_students(self, pool: str) -> list[ServedStudent | None]:
+        """The student each live replica of `pool` serves (None: no distilled student), for
+        the choice of the difficulty router (policies/router_choice.py)."""
+        return [seen.student for seen in self._live(pool)]
+
     def _live(self, pool: str) -> list[_Seen]:
         """As many of the replicas heard from as Serve runs, the most recently heard first
         (a replaced replica's last stats are the oldest)."""
@@ -245,7 +252,7 @@ class PoolMonitor:
             elif result.engine is None:  # alive, but its model is still being made
                 self._unavailable[pool] = result.unavailable or "no engine yet"
             else:
-                seen = _Seen(result.engine, time.monotonic(), result.grammar_mask_s)
+                seen = _Seen(result.engine, time.monotonic(), result.grammar_mask_s, result.student)
                 self._replicas[pool][result.replica_id] = seen
                 self._max_model_len[pool] = result.max_model_len
                 self._unavailable.pop(pool, None)

@@ -53,8 +53,12 @@ class DistillSettings:
     train: TrainSettings = field(default_factory=TrainSettings)
 
     def fingerprint(self) -> str:
-        """Identifies a run: a checkpoint is resumed only by the run that made it."""
-        text = json.dumps(asdict(self), sort_keys=True, default=str)
+        """Identifies a run: a checkpoint is resumed only by the run that made it, and with
+        the thread count it is the student's recipe (policies.difficulty.student_recipe),
+        which a committed router is checked against. The prompts count by their content,
+        not their path, so every checkout of one commit gives the same fingerprint."""
+        prompts = hashlib.sha256(self.prompts_file.read_bytes()).hexdigest()
+        text = json.dumps({**asdict(self), "prompts_file": prompts}, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -55,6 +55,14 @@ def test_the_router_is_not_asked_where_it_may_not_route(tier, available, reason)
     assert calls == [] and choice.difficulty is None
 
 
+def test_auto_stays_on_the_default_model_without_a_router_for_the_student():
+    choice = choose_model(AUTO_MODEL, STANDARD, ROUTES, True, None)
+    assert (choice.model, choice.reason, choice.tier) == ("big", "no_router", STANDARD)
+    assert choice.difficulty is None
+    pinned = choose_model("small-model", STANDARD, ROUTES, True, None)
+    assert (pinned.model, pinned.reason) == ("small-model", "pinned")
+
+
 def test_named_models_are_pinned_without_scoring():
     score, calls = scorer(1.0, True)
     small = choose_model("small-model", INTERACTIVE, ROUTES, False, score)

@@ -1,19 +1,23 @@
-"""The pool deployment's class, without Ray: health checks, load reports and the deltas it
-sends, over a fake engine."""
+"""The pool deployment's class, without Ray: health checks, load reports, the deltas it
+sends, and the student it serves with the router beside it, over a fake engine."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
 
 from engine.config import EngineConfig
-from engine.model.students import CARD_FILE, students_dir
+from engine.model.students import CARD_FILE, ROUTER_FILE, StudentMissing, students_dir
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
+from policies.difficulty import FEATURE_NAMES, DifficultyModel, StudentIdentity
+from policies.router_choice import ServedStudent
 from serving.pools.pool import NewSequence, Pool
-from testing.fakes import FakeEngine
+from serving.pools.served_student import pin_student
+from testing.fakes import FakeEngine, publish_fake_student
 
 
 @pytest.fixture
@@ -108,3 +112,26 @@ def test_a_pool_of_a_missing_student_waits_then_serves(tmp_path) -> None:
     while waiting._engine is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [d.new_text for d in _deltas(waiting, stream=True)] == ["a", "b", "c", "d", "e"]
+
+
+def test_a_student_is_pinned_to_its_folder_and_reported_with_the_router_beside_it(
+    tmp_path, caplog
+) -> None:
+    config = EngineConfig(model="student", cache_dir=tmp_path)
+    with pytest.raises(StudentMissing):
+        pin_student(config)
+    n = len(FEATURE_NAMES)
+    v1 = StudentIdentity("student-v1", "1" * 64)
+    router = DifficultyModel(FEATURE_NAMES, (0.0,) * n, 0.0, (0.0,) * n, (1.0,) * n, 0.5, 0.5, v1)
+    folder = publish_fake_student(tmp_path, "student-v1", "1" * 64, router)
+    pinned, served = pin_student(config)
+    assert pinned.model == str(folder)  # a student published later is not what this loads
+    assert served == ServedStudent(v1, router)
+
+    publish_fake_student(tmp_path, "student-v2", "2" * 64)
+    (students_dir(tmp_path) / "student-v2" / ROUTER_FILE).write_text("{broken")
+    with caplog.at_level(logging.WARNING, logger="serving.pools.served_student"):
+        _, newest = pin_student(config)
+    assert newest == ServedStudent(StudentIdentity("student-v2", "2" * 64))
+    assert "ignoring the router beside the student" in caplog.text
+    assert pin_student(EngineConfig()) == (EngineConfig(), None)  # the default model

@@ -1,4 +1,5 @@
-"""The small-model router: prompt features, fitting, calibration, saved models, evaluation."""
+"""The small-model router: prompt features, fitting, calibration, saved models (and the
+student each was fitted to), evaluation."""
 
 from __future__ import annotations
 
@@ -13,13 +14,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.paths import CONFIGS_DIR
+from cli.distill import settings as distill_settings
+from cli.main import parser
 from policies.difficulty import (
     CUES,
     FEATURE_NAMES,
     MAX_CHARS,
     MAX_WORD_LENGTH,
     DifficultyModel,
+    StudentIdentity,
     prompt_features,
+    student_recipe,
 )
 from small_model.router_fit import (
     auc_gain,
@@ -284,7 +290,9 @@ def test_a_file_with_other_features_is_rejected_naming_them(trained) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"version": 2}, "version 2, expected 1"),
+        ({"version": 3}, r"version 3, expected one of \(1, 2\)"),
+        ({"student": "student-v1"}, "malformed"),
+        ({"student": {"weights_sha256": "ab"}}, "malformed"),  # no name
         ({"version": None}, "version None"),
         ({"bias": None}, "malformed"),
         ({"weights": [1.0]}, "weights, means and scales"),
@@ -310,6 +318,53 @@ def test_a_file_that_is_not_a_model_is_rejected(trained, tmp_path: Path) -> None
     del data["bias"]
     with pytest.raises(ValueError, match="malformed"):
         DifficultyModel.from_dict(data)
+
+
+STUDENT = StudentIdentity("student-v3", "a" * 64, "fp-t2")
+
+
+def test_the_student_a_model_was_fitted_to_is_saved_and_read(trained, tmp_path: Path) -> None:
+    model = replace(trained[0], student=STUDENT)
+    path = tmp_path / "router.json"
+    model.save(path)
+    saved = json.loads(path.read_text())["student"]
+    assert saved == {"name": "student-v3", "weights_sha256": "a" * 64, "recipe": "fp-t2"}
+    assert DifficultyModel.load(path) == model
+
+
+def test_a_version_1_file_loads_fitted_to_no_student(trained) -> None:
+    data = {k: v for k, v in trained[0].to_dict().items() if k != "student"}
+    old = DifficultyModel.from_dict({**data, "version": 1})
+    assert old.student is None and old.weights == trained[0].weights
+    assert not old.fits(STUDENT)
+
+
+def test_a_router_fits_its_students_weights_or_else_its_recipe(trained) -> None:
+    by_weights = replace(trained[0], student=STUDENT)
+    assert by_weights.fits(replace(STUDENT, name="student-v1"))  # another cache's numbering
+    assert not by_weights.fits(replace(STUDENT, weights_sha256="b" * 64))  # same recipe
+    by_recipe = replace(trained[0], student=replace(STUDENT, weights_sha256=None))
+    assert by_recipe.fits(StudentIdentity("student-v9", "c" * 64, "fp-t2"))
+    assert not by_recipe.fits(StudentIdentity("student-v3", "a" * 64, "fp-t1"))
+    assert not by_recipe.fits(StudentIdentity("student-v3", "a" * 64, None))
+
+
+def test_a_students_identity_is_read_from_its_card() -> None:
+    reproducible = {"weights_sha256": "d" * 64, "settings_fingerprint": "fp", "num_threads": 2}
+    identity = StudentIdentity.from_card("student-v2", {"reproducible": reproducible})
+    assert identity == StudentIdentity("student-v2", "d" * 64, "fp-t2")
+    assert StudentIdentity.from_card("student-v2", {}) == StudentIdentity("student-v2")
+
+
+def test_the_committed_router_is_fitted_to_the_default_distillation_recipe() -> None:
+    """configs/router.json routes for every student `tierserve distill` publishes with its
+    defaults (the same weights on this machine kind): a changed default fails here until
+    the router is refitted (`tierserve router train --fitted-to recipe --out ...`)."""
+    args = parser().parse_args(["distill"])
+    committed = DifficultyModel.load(CONFIGS_DIR / "router.json")
+    assert committed.student is not None and committed.student.weights_sha256 is None
+    recipe = student_recipe(distill_settings(args).fingerprint(), args.threads)
+    assert committed.student.recipe == recipe
 
 
 def test_scoring_a_prompt_costs_well_under_2_ms(trained) -> None:

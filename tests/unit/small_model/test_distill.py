@@ -21,9 +21,10 @@ from engine.model.students import (
     next_student_dir,
     student_versions,
 )
+from small_model.data import DISTILL_SET
 from small_model.distill.batches import make_batches
 from small_model.distill.card import weights_digest
-from small_model.distill.run import distill
+from small_model.distill.run import DistillSettings, distill
 from small_model.distill.student import init_student
 from small_model.distill.teacher import Example
 from small_model.distill.trainer import CHECKPOINT_FILE, TrainSettings, evaluate, train
@@ -54,6 +55,16 @@ def test_student_is_published_with_its_card_and_loads_by_name(tiny_student_cache
 def test_no_student_is_a_clear_error(tmp_path):
     with pytest.raises(StudentMissing, match="tierserve distill"):
         resolve_model_dir(STUDENT_MODEL, tmp_path)
+
+
+def test_a_runs_fingerprint_reads_its_prompts_content_not_their_path(tmp_path):
+    """Every checkout of a commit gives the default run one fingerprint: the recipe the
+    committed router records (tests/unit/small_model/test_difficulty.py)."""
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes(DISTILL_SET.read_bytes())
+    assert DistillSettings(prompts_file=copy).fingerprint() == DistillSettings().fingerprint()
+    copy.write_text('{"prompt": "another"}\n')
+    assert DistillSettings(prompts_file=copy).fingerprint() != DistillSettings().fingerprint()
 
 
 def test_student_keeps_the_teachers_chosen_blocks():

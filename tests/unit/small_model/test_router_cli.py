@@ -1,5 +1,6 @@
 """Labelling prompts with both models, and `tierserve router train` on a labelled set and on
-an ingress request log: real engines (the default model and a tiny student)."""
+an ingress request log: real engines (the default model and a tiny student). The router is
+written beside the student it labelled with, recording which student that is."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from cli.main import main
-from cli.router import logged_requests
+from cli.main import main, parser
+from cli.router import fitted_student, logged_requests
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.model.chat import chat_prompt_ids
-from engine.model.students import latest_student
-from policies.difficulty import DifficultyModel
+from engine.model.students import CARD_FILE, ROUTER_FILE, latest_student, read_card
+from policies.difficulty import DifficultyModel, StudentIdentity
 from small_model.labels import RoutePrompt, greedy_answers, label_prompts, mean_logprobs
 
 PROMPTS = [
@@ -55,7 +56,7 @@ def test_the_teacher_prefers_its_own_answer(engines):
     assert mean_logprobs(default, [prompt], [[]]) == [-math.inf]
 
 
-def test_router_train_on_a_labelled_set_writes_router_and_report(tmp_path, tiny_student_cache):
+def test_router_train_writes_the_router_and_report_beside_its_student(tmp_path, tiny_student_cache):
     rows = [
         {"split": split, "prompt": p.text, "max_tokens": p.max_tokens, "answer": p.answer}
         for split in ("train", "eval")
@@ -63,15 +64,32 @@ def test_router_train_on_a_labelled_set_writes_router_and_report(tmp_path, tiny_
     ]
     labelled = tmp_path / "set.jsonl"
     labelled.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "router.json"
-    student = str(latest_student(tiny_student_cache))
-    args = ["router", "train", "--set", str(labelled), "--out", str(out)]
-    assert main([*args, "--small-model", student, "--share", "0.34"]) == 0
-    model = DifficultyModel.load(out)
+    folder = latest_student(tiny_student_cache)
+    args = ["router", "train", "--set", str(labelled), "--small-model", str(folder)]
+    assert main([*args, "--share", "0.34"]) == 0
+    model = DifficultyModel.load(folder / ROUTER_FILE)
     assert model.target_share == 0.34
-    report = json.loads((tmp_path / "router.report.json").read_text())
+    digest = read_card(folder)["reproducible"]["weights_sha256"]
+    assert model.student is not None and model.student.weights_sha256 == digest
+    assert model.student == StudentIdentity.from_card(folder.name, read_card(folder))
+    report = json.loads((folder / "router.report.json").read_text())
     assert report["num_prompts"] == len(PROMPTS)
     assert len(report["router"]) == len(report["shares"]) == 11
+
+
+def test_a_router_for_a_recipe_records_no_weights_and_a_non_student_needs_out(tmp_path):
+    folder = tmp_path / "student-v4"
+    folder.mkdir()
+    reproducible = {"weights_sha256": "e" * 64, "settings_fingerprint": "fp", "num_threads": 2}
+    (folder / CARD_FILE).write_text(json.dumps({"reproducible": reproducible}))
+    train = ["router", "train", "--small-model", str(folder)]
+    beside = fitted_student(parser().parse_args(train))
+    assert beside == (StudentIdentity("student-v4", "e" * 64, "fp-t2"), folder / ROUTER_FILE)
+    out = tmp_path / "committed.json"
+    recipe = parser().parse_args([*train, "--fitted-to", "recipe", "--out", str(out)])
+    assert fitted_student(recipe) == (StudentIdentity("student-v4", None, "fp-t2"), out)
+    with pytest.raises(SystemExit, match="not a distilled student: name --out"):
+        fitted_student(parser().parse_args(["router", "train", "--small-model", "default"]))
 
 
 def test_logged_requests_are_read_once_each_from_ingress_log_lines(tmp_path: Path):
