@@ -286,7 +286,9 @@ def test_models_health_and_metrics(base_url: str, client: openai.OpenAI) -> None
             {"pool": p.name, "model": p.engine.model, "max_model_len": 4096} for p in pools
         ]
         assert card["max_model_len"] == 4096
-    assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
+    health = httpx.get(f"{base_url}/health").json()
+    assert health["status"] == "ok"  # the fake small pool serves no student: no router fits
+    assert health["difficulty_router"]["router"] == "not_a_student"
     _chat(client, max_tokens=2, extra_headers={"X-SLA-Tier": "interactive"})
     assert httpx.get(f"{base_url}/metrics").status_code == 401  # keys are required here
     text = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
