@@ -78,16 +78,15 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     the C kernel on the CPU (engine/kernels/hadamard.c), bit for bit `rotate_reference`.
     A matmul by the matrix is not invariant: its rows changed with the batch on the AVX2
     kernels."""
-    block = x.shape[-1] & -x.shape[-1]
     if hadamard_kernel.takes(x):
-        return hadamard_kernel.hadamard(x, block)
+        return hadamard_kernel.hadamard(x, _hadamard_block(x.shape[-1]))
     return rotate_reference(x)
 
 
 def rotate_reference(x: torch.Tensor) -> torch.Tensor:
     """`rotate` in torch ops: one butterfly stage per doubling of the pair distance."""
     head_dim = x.shape[-1]
-    block = head_dim & -head_dim
+    block = _hadamard_block(head_dim)
     y = x.float().reshape(-1, head_dim // block, block)
     half = 1
     while half < block:
@@ -96,6 +95,11 @@ def rotate_reference(x: torch.Tensor) -> torch.Tensor:
         y = torch.stack((low + high, low - high), dim=-2)
         half *= 2
     return (y * block**-0.5).reshape(x.shape).to(x.dtype)
+
+
+def _hadamard_block(head_dim: int) -> int:
+    """The rotation's block: the largest power of two dividing the head dimension."""
+    return head_dim & -head_dim
 
 
 def is_rotated(cache: torch.Tensor) -> bool:
