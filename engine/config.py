@@ -155,6 +155,11 @@ class EngineConfig:
     stall_timeout_s: float = 120.0
     """A step running longer than this while work waits marks the engine unhealthy (a
     wedged forward pass): the pool's health check then fails and Serve replaces it."""
+    tensor_parallel_size: int = 1
+    """Worker processes (ranks) the model is split over, each computing its own KV heads
+    and feed-forward units with a sum over the ranks after each output projection
+    (engine.parallel): for a model too big for one device, or cores one process's
+    threads would not keep busy. On a CPU, over gloo; dense weights only so far."""
     cache_dir: Path = field(default_factory=default_cache_dir)
     seed: int = 0
     spec_decode: SpecDecodeConfig | None = None
@@ -199,12 +204,29 @@ class EngineConfig:
             )
         if self.stall_timeout_s <= 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
+        self._check_tensor_parallel()
         alone = self.num_threads_alone
         if alone is not None and (self.num_threads is None or alone < self.num_threads):
             raise ValueError(
                 f"num_threads_alone ({alone}) needs num_threads "
                 f"({self.num_threads}), which a step uses while other engines have work, "
                 "and must be >= it"
+            )
+
+    def _check_tensor_parallel(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size == 1:
+            return
+        if torch.device(self.device).type != "cpu":
+            raise ValueError(
+                "tensor_parallel_size > 1 runs its ranks on CPU cores (gloo) only so far: "
+                f"device {self.device!r} needs tensor_parallel_size 1"
+            )
+        if self.quant is not None:
+            raise ValueError(
+                "tensor_parallel_size > 1 splits dense weights only so far: leave quant unset "
+                "or use tensor_parallel_size 1"
             )
 
     @property

@@ -20,8 +20,12 @@ from engine.config import EngineConfig
 from engine.grammar import GrammarCompiler, GrammarState
 from engine.kv_cache import KVCacheManager
 from engine.live_sequence import LiveSequence
+from engine.model.llama import LlamaForCausalLM
 from engine.model.model_runner import ModelRunner, kv_blocks_for_memory
 from engine.outputs import EngineStats, RequestOutput, RunnerOutput
+from engine.parallel.errors import RankLost
+from engine.parallel.ranks import WorkerRanks
+from engine.parallel.shard import check_shardable, shard_model
 from engine.prompt_limits import PromptLimits
 from engine.quant.prepare import prepare_model
 from engine.request import Request, Urgency
@@ -46,6 +50,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model, self.tokenizer = prepare_model(config)
+        self.ranks = _worker_ranks(config, self.model)
+        """Tensor parallelism's other ranks (None with tensor_parallel_size 1); this
+        process is rank 0 and holds its own slice in `model`."""
+        if self.ranks is not None:
+            self.model = shard_model(
+                self.model, config.tensor_parallel_size, 0, self.ranks.all_reduce
+            )
         args = self.model.args
         self.max_model_len = min(
             config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
@@ -63,7 +74,11 @@ class LLMEngine:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.step_cost,
             prefill_step_limit_s=config.prefill_step_limit_s,
         )  # fmt: skip
-        self.runner = ModelRunner(self.model, num_blocks, config)
+        if self.ranks is not None:
+            self.ranks.start_runners(num_blocks)
+        self.runner = ModelRunner(
+            self.model, num_blocks, config, self.ranks.send_step if self.ranks else None
+        )
         self._seed_source = random.Random(config.seed)
         self.speculator = _speculator(config, num_blocks)
         self.requests: dict[str, LiveSequence] = {}
@@ -117,6 +132,12 @@ class LLMEngine:
         tracked = self.requests.get(request_id)
         return None if tracked is None else self._end(tracked.request, "abort")
 
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks, if any (they would also go with this
+        process); the engine cannot step after."""
+        if self.ranks is not None:
+            self.ranks.close()
+
     def has_unfinished(self) -> bool:
         """Anything queued or running: whether `step()` has work."""
         return self.scheduler.has_unfinished()
@@ -142,6 +163,8 @@ class LLMEngine:
         start_s = time.perf_counter()
         try:
             result = self.runner.execute(scheduled)
+        except RankLost:  # no later step can run either: the engine loop stops for good
+            raise
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine lives
             log.exception("forward pass failed")
             error = f"forward pass failed: {exc!r}"
@@ -280,6 +303,14 @@ def _grammar_state(grammars: GrammarCompiler, params: SamplingParams) -> Grammar
         return GrammarState(grammars.compile(params.grammar))
     except ValueError as error:
         raise ValueError(f"the grammar ({params.grammar.kind}) cannot be used: {error}") from None
+
+
+def _worker_ranks(config: EngineConfig, model: LlamaForCausalLM) -> WorkerRanks | None:
+    """Tensor parallelism's worker ranks, started once the model is known to split."""
+    if config.tensor_parallel_size == 1:
+        return None
+    check_shardable(model, config.tensor_parallel_size)
+    return WorkerRanks(config, model.args.hidden_size)
 
 
 def _speculator(config: EngineConfig, num_blocks: int) -> Speculator | None:

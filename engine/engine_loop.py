@@ -9,7 +9,8 @@ outputs with a fresh stats snapshot. Where it runs is the core's choice:
 The loop never dies silently: a request that fails in the engine ends its own
 stream with an error output; an unexpected error in the loop itself fails
 every live request with `EngineRequestError` and the loop goes on; only when
-even aborting fails is the engine dead (`error` is set and `run` returns).
+even aborting fails, or a tensor-parallel worker rank is lost, is the engine dead
+(`error` is set and `run` returns).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from engine.elastic_threads import ElasticThreads, NodeDemand
 from engine.engine import LLMEngine
 from engine.messages import AddRequest, Delivery, InboxMessage
 from engine.outputs import EngineStats
+from engine.parallel.errors import RankLost
 from engine.prompt_limits import PromptLimits
 
 log = logging.getLogger(__name__)
@@ -61,12 +63,14 @@ class EngineLoop:
         """The step's thread count by the node's demand; None where the config fixes it."""
 
     def send(self, message: InboxMessage) -> None:
-        """Queue a message (from any thread)."""
+        """Queue a message (from any thread); on a dead loop, refuse it at once."""
         self._inbox.put(message)
         self._wake.set()
+        if self.error is not None:  # the loop may have made its last pass before this put
+            self._refuse_inbox()
 
     def run(self) -> None:
-        """Serve until the engine is beyond repair."""
+        """Serve until the engine is beyond repair, then refuse whatever still waits."""
         while self.error is None:
             try:
                 self._loop_once()
@@ -74,6 +78,18 @@ class EngineLoop:
                 log.exception("engine loop error; failing every live request")
                 self._fail_all(exc)
         self._demand.close()
+        self._refuse_inbox()
+
+    def _refuse_inbox(self) -> None:
+        """Answer each request still in the inbox of a dead loop with the loop's error."""
+        error = EngineRequestError(f"the engine is dead: {self.error!r}")
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(message, AddRequest):
+                self._publish([(message.request_id, error)], self.engine.stats())
 
     def _loop_once(self) -> None:
         self._drain_inbox()
@@ -91,9 +107,12 @@ class EngineLoop:
         self._publish([(output.request_id, output) for output in outputs], self.engine.stats())
 
     def _fail_all(self, exc: Exception) -> None:
-        """Abort every live request with an error; if even that fails, the engine is dead."""
+        """Abort every live request with an error; if even that fails, or a tensor-parallel
+        rank is lost, the engine is dead."""
         self._step_started.value = 0.0
         live = list(self.engine.requests)
+        if isinstance(exc, RankLost):  # no step can run without the lost rank's slice
+            self.error = exc
         try:
             for request_id in live:
                 self.engine.abort_request(request_id)

@@ -109,4 +109,17 @@ def _pool_options(pool: PoolConfig) -> dict[str, object]:
     }
     if pool.replica_choice.enabled:
         options["request_router_config"] = replica_choice_config(pool.replica_choice, pool.engine)
-    return options
+    return options | _rank_bundles(pool)
+
+
+def _rank_bundles(pool: PoolConfig) -> dict[str, object]:
+    """For a tensor-parallel pool, one placement group per replica with a bundle per rank,
+    all on one node (STRICT_PACK: the ranks are the replica's engine's own processes, as
+    Ray Serve LLM reserves a model's workers); the replica itself sits in the first."""
+    ranks = pool.engine.tensor_parallel_size
+    if ranks == 1:
+        return {}
+    replica = {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}
+    rank = {"CPU": pool.num_cpus, "GPU": pool.num_gpus}
+    bundles = [{k: v for k, v in b.items() if v} for b in (replica, *[rank] * (ranks - 1))]
+    return {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}

@@ -106,6 +106,16 @@ class PoolConfig(_Strict):
     starts one in the background (`tierserve distill`, at low CPU priority) and serves
     once it is published. Until then the pool reports itself unavailable."""
 
+    @model_validator(mode="after")
+    def _check_tensor_parallel_reserves_its_ranks(self) -> PoolConfig:
+        if self.engine.tensor_parallel_size > 1 and self.num_cpus <= 0:
+            raise ValueError(
+                f"pool {self.name!r}: engine.tensor_parallel_size "
+                f"{self.engine.tensor_parallel_size} needs num_cpus > 0, reserved for each rank "
+                "(the replica's placement group has one bundle per rank)"
+            )
+        return self
+
     @property
     def max_replicas(self) -> int:
         """The most replicas this pool may run."""

@@ -35,6 +35,18 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class PackedTokens:
+    """One forward pass as any rank runs it: the packed token ids and where each
+    sequence's tokens sit (a tensor-parallel worker builds its own attention metadata
+    from it, engine.parallel.ranks)."""
+
+    input_ids: list[int]
+    q_lens: list[int]
+    kv_lens: list[int]
+    block_tables: list[list[int]]
+
+
+@dataclass(frozen=True)
 class StepBatch:
     """The packed inputs of one forward pass."""
 
@@ -68,8 +80,18 @@ class ModelRunner:
     `compute_logits` alone serve a draft model, which samples on its own.
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        config: EngineConfig,
+        on_forward: Callable[[PackedTokens], None] | None = None,
+    ) -> None:
+        """`on_forward` is handed each forward pass's tokens as soon as `prepare` has packed
+        them: a tensor-parallel engine's worker ranks run the pass alongside
+        (engine.parallel), building their metadata while this rank builds its own."""
         self.model = model
+        self.on_forward = on_forward
         self.block_size = config.block_size
         self.device = torch.device(config.device)
         self.dtype = model.embed_tokens.weight.dtype
@@ -157,13 +179,12 @@ class ModelRunner:
                 sampling.append(request)
                 num_rows.append(rows)
                 logits_rows.extend(range(len(input_ids) - rows, len(input_ids)))
-        meta = AttentionMetadata.build(
-            q_lens, kv_lens, tables, self.block_size, self.device, self.dtype,
-            self.native_attention, all_in_kernel=self.batch_invariant,
-        )  # fmt: skip
+        tokens = PackedTokens(input_ids, q_lens, kv_lens, tables)
+        if self.on_forward is not None:  # the other ranks build their metadata meanwhile
+            self.on_forward(tokens)
         return StepBatch(
             input_ids=torch.tensor(input_ids, device=self.device),
-            meta=meta,
+            meta=self._metadata(tokens),
             logits_index=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
             sampling_requests=sampling,
             num_logits_rows=num_rows,
@@ -181,6 +202,18 @@ class ModelRunner:
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Hidden states [T, hidden] of the batch's tokens, their K/V written to the cache."""
         return self.model(batch.input_ids, batch.meta, self.kv_caches)
+
+    @torch.inference_mode()
+    def forward_packed(self, tokens: PackedTokens) -> torch.Tensor:
+        """`forward` from the tokens alone: a tensor-parallel worker rank's step."""
+        input_ids = torch.tensor(tokens.input_ids, device=self.device)
+        return self.model(input_ids, self._metadata(tokens), self.kv_caches)
+
+    def _metadata(self, tokens: PackedTokens) -> AttentionMetadata:
+        return AttentionMetadata.build(
+            tokens.q_lens, tokens.kv_lens, tokens.block_tables, self.block_size, self.device,
+            self.dtype, self.native_attention, all_in_kernel=self.batch_invariant,
+        )  # fmt: skip
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden).cpu()
