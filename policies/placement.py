@@ -59,6 +59,9 @@ class Placement:
     not a 429)."""
     prediction: Prediction | None = None
     retry_after_s: int | None = None
+    candidates: Mapping[str, Prediction] = field(default_factory=dict)
+    """What every pool the tier may use was predicted to give the request (the request log
+    shows them: why a pool was passed over)."""
 
     @property
     def downgraded(self) -> bool:
@@ -96,6 +99,16 @@ def place(
         )
         for name in candidates
     }
+    return replace(_choose(tier, shape, pools, predictions, jitter), candidates=predictions)
+
+
+def _choose(
+    tier: Tier,
+    shape: RequestShape,
+    pools: Mapping[str, PoolState],
+    predictions: Mapping[str, Prediction],
+    jitter: float,
+) -> Placement:
     open_pools = {
         n: p for n, p in predictions.items() if _queue_ahead(pools[n], p, shape.num_sequences) == 0
     }

@@ -272,6 +272,10 @@ def _optional_fields(user: str | None, placement: Placement | None) -> dict[str,
     if placement is not None and placement.prediction is not None:
         fields["predicted_ttft_ms"] = _ms(placement.prediction.ttft_s)
         fields["predicted_tpot_ms"] = _ms(placement.prediction.tpot_s)
+    if placement is not None and placement.candidates:
+        fields["predictions_ms"] = {
+            pool: [_ms(p.ttft_s), _ms(p.tpot_s)] for pool, p in placement.candidates.items()
+        }
     return fields
 
 

@@ -111,9 +111,13 @@ def test_a_request_refused_before_it_has_a_tier_is_counted_under_tier_none(
     assert "user" not in line and "predicted_ttft_ms" not in line
 
 
-def test_an_admitted_request_logs_its_user_and_prediction(caplog: pytest.LogCaptureFixture) -> None:
+def test_an_admitted_request_logs_its_user_and_every_pools_prediction(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     telemetry = _telemetry(FakeEngine(EngineConfig()))
-    placement = Placement("fast", "slo", Prediction(ttft_s=0.2, tpot_s=0.02, num_ahead=0))
+    chosen = Prediction(ttft_s=0.2, tpot_s=0.02, num_ahead=0)
+    passed_over = Prediction(ttft_s=0.9, tpot_s=0.03, num_ahead=2)
+    placement = Placement("fast", "slo", chosen, candidates={"fast": chosen, "own": passed_over})
     telemetry.count_admitted("standard", placement)
     record = RequestRecord(
         "r", "k", TIER, "fast", "ok", [], end_s=1.0, user="u", placement=placement
@@ -122,6 +126,7 @@ def test_an_admitted_request_logs_its_user_and_prediction(caplog: pytest.LogCapt
         telemetry.observe(record)
     (line,) = _log_lines(caplog)
     assert (line["user"], line["placement"], line["predicted_ttft_ms"]) == ("u", "slo", 200.0)
+    assert line["predictions_ms"] == {"fast": [200.0, 20.0], "own": [900.0, 30.0]}
     decisions = _samples(telemetry, "tierserve:admission_decisions_total")
     assert decisions == {(("pool", "fast"), ("reason", "slo"), ("tier", "standard")): 1}
 
