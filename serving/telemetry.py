@@ -274,7 +274,8 @@ def _optional_fields(user: str | None, placement: Placement | None) -> dict[str,
         fields["predicted_tpot_ms"] = _ms(placement.prediction.tpot_s)
     if placement is not None and placement.candidates:
         fields["predictions_ms"] = {
-            pool: [_ms(p.ttft_s), _ms(p.tpot_s)] for pool, p in placement.candidates.items()
+            pool: [_ms(p.ttft_s), _ms(p.tpot_s), p.num_ahead]
+            for pool, p in placement.candidates.items()
         }
     return fields
 

@@ -93,4 +93,3 @@ def tiny_student_cache(tmp_path_factory) -> Path:
     cache = tmp_path_factory.mktemp("student-cache")
     distill(tiny_distill_settings(), cache, show_progress=False)
     return cache
-

@@ -104,6 +104,7 @@ def measure(tensor_parallel_size: int, workloads: list[Case]) -> tuple[dict[str,
 
 
 def main() -> None:
+    """TP=1, then TP=2, on the same cases; one ratio per case and the sums' share."""
     request_reproducible_blas()  # as pool replicas run (engine.process), before any matmul
     cli = peer_parser(__doc__).parse_args()
     workloads = cases(cli.quick)

@@ -130,6 +130,7 @@ class _Worker:
 
     @classmethod
     def start(cls, start: RankStart) -> _Worker:
+        """Spawn the worker with a pipe each way and send it its `RankStart`."""
         down_read, down_write = os.pipe()
         up_read, up_write = os.pipe()
         process = subprocess.Popen(
@@ -144,9 +145,11 @@ class _Worker:
         return worker
 
     def send(self, message: object) -> None:
+        """Pickle `message` down the worker's pipe."""
         self.send_bytes(pickle.dumps(message))
 
     def send_bytes(self, payload: bytes) -> None:
+        """`payload` down the pipe; RankLost when the worker is gone."""
         try:
             self.to_worker.send_bytes(payload)
         except OSError as exc:
@@ -167,6 +170,7 @@ class _Worker:
             raise RuntimeError(f"tensor-parallel worker failed to start: {status}")
 
     def stop(self) -> None:
+        """Close the pipes (the worker then exits) and reap it, killed after 10 s."""
         self.to_worker.close()
         self.from_worker.close()
         try:

@@ -62,6 +62,7 @@ class SharedMemorySum:
         self._round = 0
 
     def fits(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` fits a slot (larger ones are summed through gloo)."""
         return tensor.numel() <= self.max_elements and tensor.element_size() <= 4
 
     def __call__(self, tensor: torch.Tensor) -> None:

@@ -41,6 +41,7 @@ def build_runner(start: RankStart, from_rank0: Connection) -> ModelRunner:
 
 
 def main(read_fd: int, write_fd: int) -> None:
+    """Serve as one worker rank over the two pipe ends rank 0 passed down."""
     from_rank0 = Connection(read_fd, writable=False)
     to_rank0 = Connection(write_fd, readable=False)
     start: RankStart = pickle.loads(from_rank0.recv_bytes())

@@ -17,14 +17,24 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     return subprocess.run(
         [sys.executable, "-m", "engine.generate", *args],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
 def test_cli_streams_the_answer_and_a_summary():
     result = run_cli(
-        "--prompt", "What is the capital of France?",
-        "--max-tokens", "8", "--dtype", "float32", "--threads", "1",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "8",
+        "--dtype",
+        "float32",
+        "--threads",
+        "1",
     )
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout

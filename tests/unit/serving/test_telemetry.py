@@ -126,7 +126,7 @@ def test_an_admitted_request_logs_its_user_and_every_pools_prediction(
         telemetry.observe(record)
     (line,) = _log_lines(caplog)
     assert (line["user"], line["placement"], line["predicted_ttft_ms"]) == ("u", "slo", 200.0)
-    assert line["predictions_ms"] == {"fast": [200.0, 20.0], "own": [900.0, 30.0]}
+    assert line["predictions_ms"] == {"fast": [200.0, 20.0, 0], "own": [900.0, 30.0, 2]}
     decisions = _samples(telemetry, "tierserve:admission_decisions_total")
     assert decisions == {(("pool", "fast"), ("reason", "slo"), ("tier", "standard")): 1}
 
