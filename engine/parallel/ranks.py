@@ -5,9 +5,10 @@ own child process is daemonic and multiprocessing forbids those children): it
 loads the same model, keeps its slice (engine.parallel.shard) and a KV cache of
 its KV heads, then runs every forward pass rank 0 runs, on the packed tokens rank 0
 sends down a pipe before each. The scheduler, the sampler and the request state
-live on rank 0 alone. The ranks sum their partial products through a gloo
-process group of their own (not torch.distributed's global one: a test or a
-benchmark may hold several engines in one process).
+live on rank 0 alone. The ranks sum their partial products through shared
+memory (engine.parallel.shm_sum), and through a gloo process group of their own
+for a tensor too large for its slots (not torch.distributed's global group: a
+test or a benchmark may hold several engines in one process).
 
 A worker that dies breaks the engine: the next step's send, or the sum the
 worker never joins, raises `RankLost`, and the engine loop then stops for good
