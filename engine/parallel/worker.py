@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 import torch.distributed as dist
 
 from engine.model.model_runner import ModelRunner, PackedTokens
-from engine.parallel.ranks import RankStart, make_group, summing
+from engine.parallel.ranks import HOST, RankStart, make_group, summing
 from engine.parallel.shard import shard_model
 from engine.parallel.shm_sum import SharedMemorySum
 from engine.process import configure_process
@@ -27,7 +27,7 @@ def build_runner(start: RankStart, from_rank0: Connection) -> ModelRunner:
     """This rank's runner: its slice of the model and a KV cache of its KV heads."""
     config = start.config
     configure_process(config)
-    store = dist.TCPStore("127.0.0.1", start.store_port, config.tensor_parallel_size,
+    store = dist.TCPStore(HOST, start.store_port, config.tensor_parallel_size,
                           is_master=False)  # fmt: skip
     group = make_group(store, start.rank, config.tensor_parallel_size)
     parent = os.getppid()
