@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import csv
 import random
 import statistics
 import time
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +50,64 @@ def test_decode_only_load_keeps_predicting_right_and_stays_finite():
         model.observe(n, n, 0.02 + 0.005 * n)
     base, per_seq, per_token = model.coefficients()
     assert base + 32 * (per_seq + per_token) == pytest.approx(0.02 + 0.005 * 32, rel=0.01)
+
+
+TRACE = Path(__file__).parents[3] / "data/step_traces/interactive_pool_bench_sla.csv"
+"""Every step of the interactive pool's engine through a bench_sla run (overload, protect,
+offered load): batch 1 to 4, prompt lookup drafting 0 to 8 tokens, a core shared with
+the offline pool's engine and Serve. Recursive least squares wound up on it: one step
+set the per-sequence cost to 1.5 s, and its batch-1 prediction ran to 2 s."""
+
+
+def test_recorded_pool_steps_are_predicted_and_the_fit_never_runs_away():
+    steps = [[float(v) for v in row.values()] for row in csv.DictReader(TRACE.open())]
+    model, errors, batch_1_s = StepCostModel(), [], []
+    for num_seqs, num_tokens, attended, seconds in steps:
+        if model.num_observations >= 20:
+            predicted_s = model.step_s(int(num_seqs), int(num_tokens), int(attended))
+            errors.append(abs(predicted_s - seconds) / seconds)
+        model.observe(int(num_seqs), int(num_tokens), seconds, int(attended))
+        base, per_seq, per_token = model.coefficients()
+        batch_1_s.append(base + per_seq + per_token)
+    measured_batch_1_s = statistics.median(s for n, t, _, s in steps if n == 1 and t == 1)
+    assert statistics.median(errors) < 0.08
+    assert statistics.quantiles(errors, n=20)[-1] < 0.35  # p95
+    assert max(batch_1_s) < 1.5 * measured_batch_1_s
+    assert min(batch_1_s) > 0.5 * measured_batch_1_s
+
+
+def test_a_step_slowed_by_another_process_barely_moves_the_fit():
+    model, rng = StepCostModel(), random.Random(3)
+    for _ in range(200):
+        n = rng.randint(1, 8)
+        model.observe(n, n, (0.03 + 0.002 * n) * rng.uniform(0.95, 1.05))
+    before_s = model.step_s(4, 4, 0)
+    model.observe(4, 4, 10 * before_s)  # the core was taken for most of this step
+    assert model.step_s(4, 4, 0) == pytest.approx(before_s, rel=0.03)
+
+
+def test_a_lasting_change_of_speed_is_followed_within_50_steps():
+    """An engine that loses a thread (elastic_threads.py) steps twice as slowly from then on:
+    the outlier weighting gives way once the slow steps keep coming."""
+    model, rng = StepCostModel(), random.Random(5)
+    for _ in range(200):
+        n = rng.randint(1, 4)
+        model.observe(n, n, (0.03 + 0.002 * n) * rng.uniform(0.95, 1.05))
+    for _ in range(50):
+        n = rng.randint(1, 4)
+        model.observe(n, n, 2 * (0.03 + 0.002 * n) * rng.uniform(0.95, 1.05))
+    assert model.step_s(2, 2, 0) == pytest.approx(2 * 0.034, rel=0.1)
+
+
+def test_load_that_ties_base_to_batch_size_leaves_every_term_non_negative():
+    """Decode steps at one batch size cannot tell the base from the per-sequence cost:
+    the fit keeps both at least 0 and their sum right."""
+    model, rng = StepCostModel(), random.Random(4)
+    for _ in range(2_000):
+        model.observe(4, 4 + rng.choice([0, 3, 8]), 0.034 * rng.uniform(0.9, 1.1), 800)
+    fit = model.coefficients()
+    assert min(fit) >= 0
+    assert model.step_s(4, 4, 800) == pytest.approx(0.034, rel=0.05)
 
 
 def test_engine_reports_its_fitted_step_cost(engine):
