@@ -70,6 +70,13 @@ class LLMEngine:
         )
         """What a request may ask of this engine (its context, cache and vocabulary)."""
         self.step_cost = StepCostModel()
+        """What a step costs: from the end of the step before when the engine had work
+        left then (what the loop does between steps delays the next token as much as the
+        forward pass does: 19 ms a step on the offline pool under bench_sla's overload),
+        else from the step's own start; scheduling, drafting and the forward pass in
+        either case."""
+        self._busy_since_s: float | None = None
+        """When the last step ended, if work was left then."""
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.step_cost,
             prefill_step_limit_s=config.prefill_step_limit_s,
@@ -148,19 +155,21 @@ class LLMEngine:
         A failure of the forward pass fails the requests of this step (their blocks freed);
         a failure tied to one request fails that request; the engine goes on either way.
         """
+        began_s = self._busy_since_s or time.perf_counter()
         scheduled = self.scheduler.schedule(self._propose())
         if not scheduled.num_new_tokens:
+            self._busy_since_s = None
             return []
-        result = self._execute(scheduled)
+        result = self._execute(scheduled, began_s)
         kept = self.scheduler.update(scheduled, result)
         outputs = [self._emit(request, token_ids, result) for request, token_ids in kept.items()]
         self.counters.count_generated(sum(len(o.new_token_ids) for o in outputs))
+        self._busy_since_s = time.perf_counter() if self.has_unfinished() else None
         return outputs
 
-    def _execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
-        """Run the step and learn from it; a failed forward pass fails every request of the
-        step (nothing it computed is kept)."""
-        start_s = time.perf_counter()
+    def _execute(self, scheduled: SchedulerOutput, began_s: float) -> RunnerOutput:
+        """Run the step and learn from it, as taking the time since `began_s`; a failed
+        forward pass fails every request of the step (nothing it computed is kept)."""
         try:
             result = self.runner.execute(scheduled)
         except RankLost:  # no later step can run either: the engine loop stops for good
@@ -169,7 +178,7 @@ class LLMEngine:
             log.exception("forward pass failed")
             error = f"forward pass failed: {exc!r}"
             return RunnerOutput(failed=dict.fromkeys(scheduled.num_new_tokens, error))
-        self._record(scheduled, result, time.perf_counter() - start_s)
+        self._record(scheduled, result, time.perf_counter() - began_s)
         return result
 
     def _record(self, scheduled: SchedulerOutput, result: RunnerOutput, seconds: float) -> None:

@@ -135,3 +135,24 @@ def test_start_up_calibration_fits_this_machine_and_leaves_no_trace(make_engine)
         step_s.append(time.perf_counter() - start)
     measured_s = statistics.median(step_s[1:])  # the decodes of one sequence alone
     assert measured_s / 3 < predicted_s < measured_s * 3
+
+
+def test_a_step_costs_what_delays_the_next_token_but_never_idle_time(engine):
+    """The loop's work between steps counts in the next step's cost while the engine has
+    work left; a wait for new work does not."""
+    observed_s: list[float] = []
+    observe = engine.step_cost.observe
+
+    def recording(num_seqs: int, num_tokens: int, seconds: float, attended: int = 0) -> None:
+        observed_s.append(seconds)
+        observe(num_seqs, num_tokens, seconds, attended)
+
+    engine.step_cost.observe = recording
+    engine.add_request("busy", list(range(1, 9)), greedy(4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+        time.sleep(0.2)  # the loop delivering outputs, slowly
+    assert min(observed_s[1:]) >= 0.2 > observed_s[0]
+    engine.add_request("after-idle", list(range(1, 9)), greedy(1, ignore_eos=True))
+    drain(engine)
+    assert observed_s[-1] < 0.2
