@@ -9,7 +9,9 @@ process has a GIL of its own; the parent keeps only the streams.
 
 The pipe carries `add` / `abort` messages down, and up: `ready` (tokenizer,
 limits, stats) or `failed` (the start-up error, re-raised in the parent),
-then one `step` message per published step (its outputs and stats). The
+then `step` messages: each what the loop published while the one before was being
+sent (outputs in order, the latest stats), sent by a thread of the child's own so
+that a parent slow to read never holds up a step (`Outbox`). The
 running step's start time sits in shared memory for the parent's health
 check. The child exits when its parent's end of the pipe closes; the parent
 fails every live stream when the child's end does.
@@ -18,6 +20,7 @@ fails every live stream when the child's end does.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -30,7 +33,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, EngineRequestError, Publish, is_stalled
-from engine.messages import EngineReady, InboxMessage, StartFailed, StepDone
+from engine.messages import Delivery, EngineReady, InboxMessage, StartFailed, StepDone
 from engine.outputs import EngineStats
 from engine.prompt_limits import PromptLimits
 
@@ -137,9 +140,53 @@ def _child_main(config: EngineConfig, conn: Connection, step_started: ctypes.c_d
         conn.send(StartFailed(exc))
         return
     conn.send(EngineReady(engine.tokenizer, engine.limits, engine.stats()))
-    loop = EngineLoop(engine, lambda items, stats: conn.send(StepDone(items, stats)), step_started)
+    outbox = Outbox(conn)
+    loop = EngineLoop(engine, outbox.publish, step_started)
     threading.Thread(target=_forward_inbox, args=(conn, loop), daemon=True).start()
     loop.run()
+    outbox.flush()  # the dead loop's last refusals reach the parent before the child ends
+
+
+class Outbox:
+    """What the loop publishes, sent up the pipe by a thread of its own. Sent by the loop
+    itself, a parent slow to read (a Serve replica at Ray's niceness, starved by the
+    engines) held the loop in `send` for a fifth of its time under bench_sla's overload,
+    and every step of the pool ran that much longer. Whatever is published while a send
+    is under way goes up together, as one message: a parent that fell behind catches up
+    in fewer reads."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._items: Delivery = []
+        self._stats: EngineStats | None = None
+        """The latest stats, until sent; None: nothing waits to be sent."""
+        self._sending = False
+        self._changed = threading.Condition()
+        threading.Thread(target=self._send_forever, name="engine-outbox", daemon=True).start()
+
+    def publish(self, items: Delivery, stats: EngineStats) -> None:
+        """Queue a turn's outputs and stats for the parent; never waits for it."""
+        with self._changed:
+            self._items.extend(items)
+            self._stats = stats
+            self._changed.notify_all()
+
+    def flush(self) -> None:
+        """Wait until everything published has been sent (or the parent is gone)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._stats is None and not self._sending)
+
+    def _send_forever(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._stats is not None)
+                message = StepDone(self._items, self._stats)
+                self._items, self._stats, self._sending = [], None, True
+            with contextlib.suppress(OSError):  # the parent is gone: _forward_inbox ends us
+                self._conn.send(message)
+            with self._changed:
+                self._sending = False
+                self._changed.notify_all()
 
 
 def _forward_inbox(conn: Connection, loop: EngineLoop) -> None:

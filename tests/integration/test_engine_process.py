@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +23,8 @@ from bench.paths import REPO_ROOT
 from engine.async_engine import AsyncLLMEngine, EngineRequestError
 from engine.config import EngineConfig
 from engine.engine_loop import is_stalled
-from engine.engine_process import EngineProcess
+from engine.engine_process import EngineProcess, Outbox
+from engine.outputs import EngineStats
 from testing.engine_helpers import TEST_ENGINE_CONFIG, greedy
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -115,3 +118,23 @@ def test_a_step_counts_as_stalled_only_while_it_runs_past_the_timeout():
     assert not is_stalled(ctypes.c_double(0.0), timeout_s=1.0)  # no step running
     assert not is_stalled(ctypes.c_double(time.monotonic()), timeout_s=1.0)
     assert is_stalled(ctypes.c_double(time.monotonic() - 5.0), timeout_s=1.0)
+
+
+def test_the_outbox_never_waits_for_a_parent_that_does_not_read():
+    """Published turns queue while the parent is busy elsewhere, then reach it in order,
+    several to a message."""
+    parent, child = multiprocessing.Pipe()
+    outbox = Outbox(child)
+    stats = EngineStats(0, 0, 0.0, 0, 0, 0, 0.0)
+    turns = [[(f"r{i}", EngineRequestError("x" * 100_000))] for i in range(40)]
+    publishing = threading.Thread(target=lambda: [outbox.publish(t, stats) for t in turns])
+    publishing.start()
+    publishing.join(timeout=10)
+    assert not publishing.is_alive()  # 4 MB published with nobody reading: never blocked
+    received: list[str] = []
+    messages = 0
+    while len(received) < len(turns):
+        received += [request_id for request_id, _ in parent.recv().items]
+        messages += 1
+    assert received == [f"r{i}" for i in range(40)] and messages < len(turns)
+    outbox.flush()
