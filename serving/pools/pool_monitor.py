@@ -46,7 +46,9 @@ RunningReplicas = Callable[[], dict[str, int]]
 TYPICAL_OUTPUT_TOKENS = 128
 """Expected output length before any request has finished on a pool."""
 OUTPUT_EWMA = 0.1
-"""Weight of each finished sequence in a pool's typical output length."""
+"""Weight of each finished sequence in a pool's typical output length once the pool has
+finished 1 / OUTPUT_EWMA of them; before that each weighs 1 / n (a plain mean), so the prior
+is gone with the first finished sequence instead of biasing the first few dozen."""
 
 
 @dataclass
@@ -88,6 +90,7 @@ class PoolMonitor:
         """Serve's counts as last read; None until read (then every replica heard counts)."""
         self._in_flight: dict[str, list[SentSequence]] = {name: [] for name in pools}
         self._typical_output = dict.fromkeys(pools, float(TYPICAL_OUTPUT_TOKENS))
+        self._num_finished = dict.fromkeys(pools, 0)
         self._replicas: dict[str, dict[str, _Seen]] = {name: {} for name in pools}
         self._max_model_len: dict[str, int] = {}
         self._unavailable: dict[str, str] = {}
@@ -104,9 +107,14 @@ class PoolMonitor:
         finally:
             for sequence in sequences:
                 self._in_flight[pool].remove(sequence)
-                typical = self._typical_output[pool]
-                typical += OUTPUT_EWMA * (sequence.num_output_tokens - typical)
-                self._typical_output[pool] = typical
+                self._learn_output_length(pool, sequence.num_output_tokens)
+
+    def _learn_output_length(self, pool: str, num_output_tokens: int) -> None:
+        """Move the pool's typical output length toward a finished sequence's."""
+        self._num_finished[pool] += 1
+        weight = max(OUTPUT_EWMA, 1.0 / self._num_finished[pool])
+        typical = self._typical_output[pool]
+        self._typical_output[pool] = typical + weight * (num_output_tokens - typical)
 
     def state(self, pool: str) -> PoolState:
         """The pool now, as placement reads it (policies/latency.py)."""

@@ -125,3 +125,28 @@ def test_sequences_in_flight_carry_their_time_per_token_target() -> None:
         in_flight = monitor.state("up").in_flight
     assert [(s.tpot_target_s, s.prefilled) for s in in_flight] == [(0.06, True), (None, False)]
     assert monitor.state("up").in_flight == ()
+
+
+def test_the_typical_output_length_is_the_mean_of_the_first_sequences_then_recent_ones() -> None:
+    """The prior output length is forgotten with the first finished sequence (a pool serving
+    32-token answers is not priced at 128 for its first few dozen); later ones weigh
+    OUTPUT_EWMA each, so the length follows what the pool serves now."""
+    monitor = PoolMonitor({"up": POOLS["up"]}, {"up": FakePoolHandle(None)}, POLL_INTERVAL_S)
+
+    def finish(num_output_tokens: int) -> None:
+        with monitor.track("up", [SentSequence(1, 10, 256, num_output_tokens=num_output_tokens)]):
+            pass
+
+    probe = SentSequence(1, 10, 256)
+
+    def expected_left() -> int:
+        return monitor.state("up").in_flight[0].num_remaining_tokens
+
+    with monitor.track("up", [probe]):
+        finish(30)
+        assert expected_left() == 30
+        finish(50)
+        assert expected_left() == 40
+        for _ in range(100):
+            finish(200)
+        assert expected_left() == 200
