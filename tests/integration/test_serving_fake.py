@@ -23,6 +23,9 @@ from testing.serve_harness import metric, serving, wait_for_metric
 MODEL = "SmolLM2-135M-Instruct"
 SMALL_MODEL = "SmolLM2-student"
 KEY = "test-key"
+INTERACTIVE_SLOTS = 4
+"""The interactive pool's batch here, whatever configs/local.yaml ships: the overflow test
+fills exactly these slots."""
 
 
 def _config() -> TierserveConfig:
@@ -31,7 +34,10 @@ def _config() -> TierserveConfig:
         pool.model_copy(
             update={
                 "engine": pool.engine.__class__(
-                    max_num_seqs=pool.engine.max_num_seqs, max_model_len=4096
+                    max_num_seqs=INTERACTIVE_SLOTS
+                    if pool.name == "interactive"
+                    else pool.engine.max_num_seqs,
+                    max_model_len=4096,
                 ),
                 "max_queued_requests": 2 if pool.name == "interactive" else 64,
             }
@@ -167,7 +173,7 @@ async def _hold_streams(
 
 def test_standard_overflows_to_offline_when_interactive_is_full(base_url: str) -> None:
     async def scenario() -> tuple[str, str]:
-        tasks = await _hold_streams(base_url, 4, "interactive", max_tokens=2000)
+        tasks = await _hold_streams(base_url, INTERACTIVE_SLOTS, "interactive", max_tokens=2000)
         async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
             body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
             auth = {"Authorization": f"Bearer {KEY}"}
