@@ -130,6 +130,11 @@ class Prediction:
     tpot_s: float
     num_ahead: int
     """Sequences of equal or more urgent priority already in flight."""
+    slot_wait_s: float = 0.0
+    """Of `ttft_s`: the wait for a batch slot (the rest is the step in progress and the
+    prefill): the request log shows the parts beside the measured hops."""
+    prefill_s: float = 0.0
+    """Of `ttft_s`: the steps that compute the prompts ahead and this one."""
 
 
 def predict(
@@ -157,7 +162,7 @@ def predict(
     prefill_s = _prefill_s(pool, tokens_per_replica, prefill_batch, limit_s, floor_share)
     mask_s = pool.cost.per_constrained_row_s if constrained else 0.0
     ttft_s = step_in_progress_s(pool) + wait_s + prefill_s + mask_s
-    return Prediction(ttft_s=ttft_s, tpot_s=tpot_s + mask_s, num_ahead=len(ahead))
+    return Prediction(ttft_s, tpot_s + mask_s, len(ahead), wait_s, prefill_s + mask_s)
 
 
 def step_in_progress_s(pool: PoolState) -> float:

@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.outputs import EngineStats
+from policies.latency import Prediction
 from policies.placement import Placement
 from policies.tiers import Tier, meets_slo
 from serving.config import PoolConfig
@@ -264,6 +265,17 @@ def _refusal_fields(admission: Admission, error: ApiError, end_s: float) -> dict
     return fields
 
 
+def _ttft_parts_ms(prediction: Prediction) -> dict[str, float]:
+    """The predicted first token in the parts the model adds up, to read beside the
+    measured hops (`ttft_hops_ms`): the step in progress, the slot wait, the prefill."""
+    step_s = prediction.ttft_s - prediction.slot_wait_s - prediction.prefill_s
+    return {
+        "step_in_progress": _ms(step_s),
+        "slot_wait": _ms(prediction.slot_wait_s),
+        "prefill": _ms(prediction.prefill_s),
+    }
+
+
 def _optional_fields(user: str | None, placement: Placement | None) -> dict[str, object]:
     """The end user and, where placement ran, its reason and the predicted latency."""
     fields: dict[str, object] = {} if user is None else {"user": user}
@@ -272,6 +284,7 @@ def _optional_fields(user: str | None, placement: Placement | None) -> dict[str,
     if placement is not None and placement.prediction is not None:
         fields["predicted_ttft_ms"] = _ms(placement.prediction.ttft_s)
         fields["predicted_tpot_ms"] = _ms(placement.prediction.tpot_s)
+        fields["predicted_ttft_parts_ms"] = _ttft_parts_ms(placement.prediction)
     if placement is not None and placement.candidates:
         fields["predictions_ms"] = {
             pool: [_ms(p.ttft_s), _ms(p.tpot_s), p.num_ahead]

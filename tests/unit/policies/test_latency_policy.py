@@ -99,6 +99,7 @@ def test_queued_sequences_take_the_slots_that_free_first():
     prefill_s = COST.step_s(4, 3 + 20)  # both prompts computed beside 3 decodes
     in_progress = 0.5 * COST.step_s(4, 4 + 10)  # four decoding, one prompt pending
     assert p.ttft_s == pytest.approx(in_progress + 20 * p.tpot_s + prefill_s, rel=1e-6)
+    assert (p.slot_wait_s, p.prefill_s) == pytest.approx((20 * p.tpot_s, prefill_s))
 
 
 def test_a_target_keeps_less_urgent_work_out_of_the_time_per_token():

@@ -91,7 +91,8 @@ def _refused(caplog: pytest.LogCaptureFixture, admission: Admission, error: ApiE
 def test_a_shed_request_is_logged_with_its_reason_and_prediction(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    placement = Placement(None, "shed_slo", Prediction(ttft_s=1.5, tpot_s=0.04, num_ahead=9), 2)
+    prediction = Prediction(ttft_s=1.5, tpot_s=0.04, num_ahead=9, slot_wait_s=0.6, prefill_s=0.7)
+    placement = Placement(None, "shed_slo", prediction, 2)
     admission = Admission(CALL, user="end-user-7", tier="standard", placement=placement)
     line = _refused(caplog, admission, too_many_requests("over capacity", 2, "shed_slo"))
     assert line.pop("latency_ms") >= 0
@@ -100,6 +101,7 @@ def test_a_shed_request_is_logged_with_its_reason_and_prediction(
         "http_status": 429, "reason": "shed_slo", "message": "over capacity",
         "retry_after_s": 2, "user": "end-user-7",
         "placement": "shed_slo", "predicted_ttft_ms": 1500.0, "predicted_tpot_ms": 40.0,
+        "predicted_ttft_parts_ms": {"step_in_progress": 200.0, "slot_wait": 600.0, "prefill": 700.0},
     }  # fmt: skip
 
 
