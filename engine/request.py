@@ -39,6 +39,9 @@ class Urgency(NamedTuple):
 
 
 DEFAULT_URGENCY = Urgency()
+MIN_BUDGET_SHARE = 0.5
+"""A request behind its target asks its next steps for no less than this share of it: its
+own decodes (and the due ones beside it) still run, only what rides along gives way."""
 """Priority 0, no time-per-token target."""
 
 
@@ -67,6 +70,8 @@ class Request:
     arrival_time_s: float = field(default_factory=time.monotonic)
     first_scheduled_time_s: float | None = None
     """When the request first entered the running batch: its queue time ends there."""
+    first_token_time_s: float | None = None
+    """When its first output token was appended: its time per token is measured from here."""
     last_token_time_s: float | None = None
     """When its newest output token was appended: a decode with a looser target than the
     step's tightest may wait until it is due (engine/scheduler.py)."""
@@ -90,6 +95,20 @@ class Request:
         """Add one sampled token (the scheduler's update is the only caller)."""
         self.token_ids.append(token_id)
         self.last_token_time_s = time.monotonic()
+        if self.first_token_time_s is None:
+            self.first_token_time_s = self.last_token_time_s
+
+    def step_budget_s(self, now_s: float) -> float | None:
+        """What the next step may take with this request's mean time per token since its
+        first token kept within its target: the target, less what its tokens so far took
+        beyond theirs (never below MIN_BUDGET_SHARE of it; a client measures the mean, and
+        steps kept each within the target still came out 5-15% over it on a core shared
+        with another pool). None without a target."""
+        target_s = self.tpot_target_s
+        if target_s is None or self.first_token_time_s is None:
+            return target_s
+        left_s = target_s * self.num_output_tokens - (now_s - self.first_token_time_s)
+        return min(target_s, max(MIN_BUDGET_SHARE * target_s, left_s))
 
     @property
     def queue_time_s(self) -> float | None:

@@ -184,7 +184,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens - out.total_tokens
         if budget == 0 or targets.decode_is_due(request):
             return budget
-        if request.tpot_target_s is None and targets.prompt_ahead_of(request):
+        if targets.prompt_ahead_of(request):
             return 0
         step = (len(out.num_new_tokens) + 1, out.total_tokens, out.attended_positions)
         has_prefill = any(r.is_prefilling for r in out.num_new_tokens)

@@ -19,12 +19,21 @@ a tighter target than its own decodes: it then takes what that target leaves,
 at least a token a step, and never stretches the tighter stream's steps; the
 others take only the room left, and none while nothing with a target decodes,
 so a burst of urgent prompts gets its first tokens one prompt apart rather
-than all after every prompt. Work without a target joins only as far as the
-step still fits, and not at all while a more urgent request with a target is
-still short of its first token (waiting, or prefilling its prompt): batch
-work is paused for an urgent prompt's whole prefill, not only its first
-chunk, so on a pool full of batch decodes an interactive request's first
-token costs the same as on an idle one.
+than all after every prompt. Work that is not due (without a target, or a
+looser target's decode before it is due) joins only as far as the step still
+fits, and not at all while a more urgent request with a target is still short
+of its first token (waiting, or prefilling its prompt): batch work and
+standard decodes with time to spare are paused for an urgent prompt's whole
+prefill, not only its first chunk, so on a pool full of them an interactive
+request's first token costs the same as on an idle one, and the prompt's
+floor is a share of the due decodes only, not of riders that first filled the
+step to the target.
+
+A target is kept as the client measures it, on the mean since the first token:
+a stream behind its target (steps slower than predicted, on a core another
+pool took) lowers the limit of the next steps until it has caught up
+(`Request.step_budget_s`), so what rides along gives way; a stream ahead of
+it never raises the limit past its target.
 
 A pool that urgent work overflows to may also limit in time the prefill of
 work without a target (`prefill_step_limit_s`), by the same rule: chunks are
@@ -60,7 +69,12 @@ class StepTargets:
     time-per-token target decoding, and the prefill step limit."""
 
     limit_s: float | None
-    """The tightest target among the running requests that decode (None: none)."""
+    """What this step may take: the least step budget among the running requests that
+    decode with a target (`Request.step_budget_s`: their target, less what they are behind
+    it); None when none does."""
+    tightest_target_s: float | None
+    """The tightest target among them: which decodes are due, and which prompt keeps its
+    floor, go by targets, not by how far behind a stream is."""
     urgent_prompt_priority: int | None
     """The most urgent priority among requests with a target still short of their first
     token, waiting or prefilling (None: none)."""
@@ -76,11 +90,14 @@ class StepTargets:
         prefill_step_limit_s: float | None,
     ) -> StepTargets:  # fmt: skip
         """The targets of this step's running and waiting requests."""
-        decoding = [r.tpot_target_s for r in running if r.tpot_target_s and not r.is_prefilling]
+        now_s = time.monotonic()
+        decoding = [r for r in running if r.tpot_target_s and not r.is_prefilling]
+        budgets = [r.step_budget_s(now_s) or 0.0 for r in decoding]
+        targets = [r.tpot_target_s or 0.0 for r in decoding]
         prompts = [r for r in running if r.is_prefilling] + waiting
         urgent = [r.priority for r in prompts if r.tpot_target_s is not None]
         return cls(
-            min(decoding, default=None), min(urgent, default=None),
+            min(budgets, default=None), min(targets, default=None), min(urgent, default=None),
             _first_prompt(running, waiting), step_cost, prefill_step_limit_s,
         )  # fmt: skip
 
@@ -90,9 +107,10 @@ class StepTargets:
         target_s = request.tpot_target_s
         if target_s is None or request.is_prefilling:
             return False
-        if self.limit_s is None or target_s <= self.limit_s or request.last_token_time_s is None:
+        tightest_s = self.tightest_target_s
+        if tightest_s is None or target_s <= tightest_s or request.last_token_time_s is None:
             return True
-        return time.monotonic() - request.last_token_time_s + self.limit_s >= target_s
+        return time.monotonic() - request.last_token_time_s + (self.limit_s or 0.0) >= target_s
 
     def floor_share(self, request: Request) -> float:
         """How long `request`'s prompt chunk may take past the step's target, as a share of
@@ -104,13 +122,13 @@ class StepTargets:
         target_s = request.tpot_target_s
         if request is not self.first_prompt or target_s is None:
             return 0.0
-        if self.limit_s is not None and target_s > self.limit_s:
+        if self.tightest_target_s is not None and target_s > self.tightest_target_s:
             return 0.0
         return PROMPT_FLOOR_SHARE
 
     def prompt_ahead_of(self, request: Request) -> bool:
         """A more urgent request with a target is short of its first token: it takes this
-        step's room."""
+        step's room from `request` (unless `request` decodes with a target that is due)."""
         priority = self.urgent_prompt_priority
         return priority is not None and priority < request.priority
 

@@ -3,6 +3,7 @@ as the step, predicted by the step-cost fit, stays within it."""
 
 from __future__ import annotations
 
+import pytest
 from test_scheduler import FakeModel, make_scheduler, scheduled
 
 from engine.request import Request
@@ -65,6 +66,32 @@ def test_batch_decodes_join_a_target_only_while_the_step_fits_it():
     assert "chat" in tokens
     assert predicted_s(scheduler, tokens) <= TARGET_S + 1e-4
     assert 1 <= len(tokens) - 1 < 6, "some, not all, batch decodes ride along"
+
+
+def test_a_stream_behind_its_target_takes_the_riders_out_until_it_catches_up():
+    """The target is the client's mean time per token: a stream whose tokens took longer
+    than their target (a core another pool took) asks the next steps for less, down to half
+    its target, and the batch decodes riding along give way."""
+    scheduler, model = batch_decoding(6)
+    chat = request("chat", 2, priority=0, target_s=TARGET_S)
+    scheduler.add(chat)
+    model.step()
+    assert len(scheduled(model.step())) > 1, "on time: batch rides along"
+    assert chat.first_token_time_s is not None
+    chat.first_token_time_s -= 1.0  # its tokens so far took a second more than their target
+    assert scheduled(model.step()) == {"chat": 1}
+
+
+def test_a_step_budget_is_the_target_less_what_the_stream_is_behind():
+    chat = request("chat", 2, priority=0, target_s=0.1)
+    for token_id in (7, 8, 9):  # the first token, then two: two gaps so far, three after the next
+        chat.append_output_token(token_id)
+    assert chat.first_token_time_s is not None
+    first_s = chat.first_token_time_s
+    assert chat.step_budget_s(first_s + 0.15) == pytest.approx(0.1)  # ahead: never above it
+    assert chat.step_budget_s(first_s + 0.22) == pytest.approx(0.08)  # behind by 20 ms
+    assert chat.step_budget_s(first_s + 0.9) == pytest.approx(0.05)  # at least half of it
+    assert request("batch", 2, priority=2, target_s=None).step_budget_s(first_s) is None
 
 
 def test_without_targets_every_decode_runs():
@@ -199,6 +226,26 @@ def test_a_looser_target_gives_way_to_the_tightest_until_its_own_is_due():
     standard.last_token_time_s -= 0.995  # one more 13 ms step would pass its second
     assert scheduled(model.step()) == {"chat": 1, "standard": 1}
     assert scheduled(model.step()) == {"chat": 1}
+
+
+def test_a_looser_decode_not_yet_due_steps_aside_for_an_urgent_prompt():
+    """An interactive prompt overflowed beside a standard stream: the standard decode, with
+    time to spare before its own target, leaves the prompt's steps (the prompt's floor is
+    then a share of the due decodes alone), and comes back once a step more would pass it."""
+    scheduler = with_cost(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=512)
+    model = FakeModel(scheduler)
+    standard = request("standard", 2, priority=1, target_s=1.0)
+    scheduler.add(standard)
+    model.step()  # standard prefilled: it decodes from now on
+    chat = request("chat", 40, priority=0, target_s=0.02)
+    scheduler.add(chat)
+    assert scheduled(model.step())["chat"] == 40  # standard, the tightest decoding, is due
+    scheduler.add(request("chat2", 300, priority=0, target_s=0.02))
+    tokens = scheduled(model.step())  # standard would fit: 14 ms
+    assert "standard" not in tokens and tokens["chat"] == 1 and 0 < tokens["chat2"] < 300
+    assert standard.last_token_time_s is not None
+    standard.last_token_time_s -= 0.995  # one more step would pass its own target
+    assert "standard" in scheduled(model.step())
 
 
 def test_the_prefill_step_limit_leaves_prompts_with_a_target_to_their_target():
