@@ -11,15 +11,17 @@ each engine (engine/step_cost.py). Work spreads evenly over replicas.
 
     slot wait   = the sequences ahead take the slots in order, each for its
                   remaining tokens at TPOT; the wait ends when the next one frees
-    prefill     = steps to compute the prompts ahead and this one, one after another,
+    prefill     = steps to compute the prompts ahead (the one being computed half done)
+                  and this one, one after another,
                   each a step with the decodes riding along and a chunk of the budget
                   for prefill (while a sequence with a target decodes, or one with a
                   tighter target than the prompt's is about to, of what the tightest
                   target leaves; never less than a share of the decodes' own time);
                   with a target, no step holds less urgent decodes without a
-                  target (the engine pauses that work until a more urgent request
-                  with a target has its first token), so a full batch of batch work
-                  costs an interactive request's first token nothing but its preemption
+                  target, nor a looser target's before it is due (the engine pauses
+                  that work until a more urgent request with a target has its first
+                  token), so a full batch of batch work costs an interactive
+                  request's first token nothing but its preemption
     step running = a request joins at a step boundary: while the pool works, it first waits
                   out the step in progress, on average half of one (its decodes and
                   the prompt tokens pending, up to the budget); while a sequence with
@@ -151,11 +153,12 @@ def predict(
     batch = prefill_batch = _batch(pool, len(pool.in_flight) + 1)
     step_s = pool.decode_step_s(batch)
     if tpot_target_s is not None:  # less urgent work rides along only up to the target
-        prefill_batch = _batch(pool, len(_beside_urgent_prompt(pool, priority)) + 1)
+        beside = _decodes_beside_urgent_prompt(pool, priority, tpot_target_s)
+        prefill_batch = _batch(pool, beside + 1)
         step_s = max(pool.decode_step_s(prefill_batch), min(step_s, tpot_target_s))
     tpot_s = step_s / pool.tokens_gained_per_decode
     wait_s = _slot_wait_s(pool, ahead, tpot_s)
-    prefill_tokens = num_prompt_tokens + sum(s.num_prompt_tokens for s in ahead if not s.prefilled)
+    prefill_tokens = num_prompt_tokens + _prompt_tokens_left(pool, ahead)
     tokens_per_replica = math.ceil(prefill_tokens / max(1, pool.num_replicas))
     limit_s = _prefill_limit_s(pool, tpot_target_s)
     floor_share = _floor_share(tpot_target_s, limit_s)
@@ -245,6 +248,18 @@ def _prefill_s(
     return (num_steps - 1) * full + pool.cost.step_s(batch, decode_tokens + last_chunk)
 
 
+def _prompt_tokens_left(pool: PoolState, ahead: Sequence[InFlightSequence]) -> float:
+    """Prompt tokens still to compute ahead of a new request: the prompts ahead without a
+    first token, whole, except the one each replica is computing (the oldest holding a
+    slot: prompts with a target go one at a time), which a request arriving at a random
+    moment finds half done on average (counted whole, bench_sla's interactive pool was
+    predicted a first token 1.5 times as late as it came)."""
+    holding_slots = ahead[: pool.num_slots]
+    computing = [s for s in holding_slots if not s.prefilled][: max(1, pool.num_replicas)]
+    waiting = sum(s.num_prompt_tokens for s in ahead if not s.prefilled)
+    return waiting - sum(s.num_prompt_tokens for s in computing) / 2
+
+
 def _floor_share(tpot_target_s: float | None, limit_s: float | None) -> float:
     """The engine's (engine/step_targets.py): a prompt with a target may lengthen a step by
     PROMPT_FLOOR_SHARE of its decodes' time, unless a tighter target than its own holds the
@@ -254,11 +269,19 @@ def _floor_share(tpot_target_s: float | None, limit_s: float | None) -> float:
     return PROMPT_FLOOR_SHARE
 
 
-def _beside_urgent_prompt(pool: PoolState, priority: int) -> list[InFlightSequence]:
-    """The sequences that keep running while a prompt of `priority` with a target prefills:
-    those of equal or more urgent priority, and those with a target of their own (work
-    without one is paused until the prompt's first token: engine/step_targets.py)."""
-    return [s for s in pool.in_flight if s.priority <= priority or s.tpot_target_s is not None]
+def _decodes_beside_urgent_prompt(pool: PoolState, priority: int, tpot_target_s: float) -> int:
+    """The decodes that keep running while a prompt of `priority` with `tpot_target_s`
+    prefills, and beside its own decodes: those of equal or more urgent priority, and each
+    less urgent one with a looser target in the steps where it is due, about `tpot_target_s`
+    over its own target of them (work without a target, and a looser target's decode with
+    time to spare, is paused until the prompt's first token: engine/step_targets.py)."""
+    due = 0.0
+    for sequence in pool.in_flight:
+        if sequence.priority <= priority:
+            due += 1
+        elif sequence.tpot_target_s is not None:
+            due += min(1.0, tpot_target_s / sequence.tpot_target_s)
+    return math.ceil(due)
 
 
 def _chunk(pool: PoolState, num_decodes: int, limit_s: float | None, floor_share: float) -> int:

@@ -82,6 +82,17 @@ def test_prompts_ahead_delay_the_first_token_but_less_urgent_ones_do_not():
     assert urgent_view.num_ahead == 0 and batch_view.num_ahead == 1
 
 
+def test_the_prompt_being_computed_ahead_counts_half_done():
+    """Arriving at a random moment, a request finds the prompt the engine is computing half
+    done on average; a prompt still waiting behind it counts whole."""
+    computing = InFlightSequence(0, 100, 50, prefilled=False)
+    busy = pool("fast", [computing])
+    p = predict(busy, priority=0, num_prompt_tokens=100)
+    assert p.prefill_s == pytest.approx(COST.step_s(2, 1 + 50 + 100))
+    behind = predict(pool("fast", [computing, computing]), priority=0, num_prompt_tokens=100)
+    assert behind.prefill_s == pytest.approx(COST.step_s(3, 2 + 50 + 100 + 100))
+
+
 def test_a_full_batch_makes_a_new_request_wait_for_slots():
     full = pool("fast", decoding(0, 4, remaining=40))
     p = predict(full, priority=0, num_prompt_tokens=10)
@@ -125,14 +136,19 @@ def test_a_target_keeps_less_urgent_decodes_out_of_its_prompts_steps():
     assert long.ttft_s == pytest.approx(in_progress + then)
 
 
-def test_less_urgent_decodes_with_a_target_keep_running_beside_an_urgent_prompt():
-    """Only work without a target pauses for an urgent prompt: standard's decodes, which
-    have a target of their own, ride along with its chunk."""
-    standard = [replace(s, tpot_target_s=0.5) for s in decoding(1, 3)]  # loose: no chunking
+def test_less_urgent_decodes_with_a_target_run_beside_an_urgent_prompt_when_due():
+    """Only decodes that are due run beside an urgent prompt: a looser target's in about
+    the urgent target over its own of the steps (six standard streams at 20 times the
+    urgent target: one step in 20 each, so one decode a step between them), work without
+    a target in none."""
+    standard = [replace(s, tpot_target_s=0.5) for s in decoding(1, 6)]  # loose: no chunking
     mixed = pool("bulk", standard + decoding(2, 20), max_num_seqs=64)
     targeted = predict(mixed, priority=0, num_prompt_tokens=128, tpot_target_s=0.025)
     in_progress = step_in_progress_s(mixed)
-    assert targeted.ttft_s == pytest.approx(in_progress + COST.step_s(4, 3 + 128))
+    assert targeted.ttft_s == pytest.approx(in_progress + COST.step_s(2, 1 + 128))
+    tight = replace(mixed, in_flight=tuple(replace(s, tpot_target_s=0.025) for s in standard))
+    as_tight = predict(tight, priority=0, num_prompt_tokens=128, tpot_target_s=0.025)
+    assert as_tight.ttft_s > targeted.ttft_s  # as tight: due in every step
 
 
 def test_a_looser_prompt_beside_a_tighter_stream_gets_no_floor():

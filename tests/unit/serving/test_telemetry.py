@@ -101,7 +101,9 @@ def test_a_shed_request_is_logged_with_its_reason_and_prediction(
         "http_status": 429, "reason": "shed_slo", "message": "over capacity",
         "retry_after_s": 2, "user": "end-user-7",
         "placement": "shed_slo", "predicted_ttft_ms": 1500.0, "predicted_tpot_ms": 40.0,
-        "predicted_ttft_parts_ms": {"step_in_progress": 200.0, "slot_wait": 600.0, "prefill": 700.0},
+        "predicted_ttft_parts_ms": {
+            "step_in_progress": 200.0, "slot_wait": 600.0, "prefill": 700.0,
+        },
     }  # fmt: skip
 
 
