@@ -73,8 +73,8 @@ class LLMEngine:
         """What a step costs: from the end of the step before when the engine had work
         left then (what the loop does between steps delays the next token as much as the
         forward pass does: 19 ms a step on the offline pool under bench_sla's overload),
-        else from the step's own start; scheduling, drafting and the forward pass in
-        either case."""
+        else from the step's own start; scheduling, drafting, the forward pass and making
+        the outputs in either case."""
         self._busy_since_s: float | None = None
         """When the last step ended, if work was left then."""
         self.scheduler = Scheduler(
@@ -160,16 +160,19 @@ class LLMEngine:
         if not scheduled.num_new_tokens:
             self._busy_since_s = None
             return []
-        result = self._execute(scheduled, began_s)
+        result = self._execute(scheduled)
         kept = self.scheduler.update(scheduled, result)
         outputs = [self._emit(request, token_ids, result) for request, token_ids in kept.items()]
         self.counters.count_generated(sum(len(o.new_token_ids) for o in outputs))
-        self._busy_since_s = time.perf_counter() if self.has_unfinished() else None
+        ended_s = time.perf_counter()
+        if len(result.failed) < len(scheduled.num_new_tokens):  # not a failed forward pass
+            self._learn_cost(scheduled, ended_s - began_s)
+        self._busy_since_s = ended_s if self.has_unfinished() else None
         return outputs
 
-    def _execute(self, scheduled: SchedulerOutput, began_s: float) -> RunnerOutput:
-        """Run the step and learn from it, as taking the time since `began_s`; a failed
-        forward pass fails every request of the step (nothing it computed is kept)."""
+    def _execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        """Run the step and keep what it leaves outside the scheduler; a failed forward
+        pass fails every request of the step (nothing it computed is kept)."""
         try:
             result = self.runner.execute(scheduled)
         except RankLost:  # no later step can run either: the engine loop stops for good
@@ -178,22 +181,22 @@ class LLMEngine:
             log.exception("forward pass failed")
             error = f"forward pass failed: {exc!r}"
             return RunnerOutput(failed=dict.fromkeys(scheduled.num_new_tokens, error))
-        self._record(scheduled, result, time.perf_counter() - began_s)
+        if self.speculator is not None:
+            self.speculator.record(scheduled.drafts, result)
+        for request, (first, scores) in result.prompt_logprobs.items():
+            self.requests[request.request_id].prompt_logprobs.update(enumerate(scores, first))
         return result
 
-    def _record(self, scheduled: SchedulerOutput, result: RunnerOutput, seconds: float) -> None:
-        """What the step leaves outside the scheduler: its time for the cost model and the
-        speculator, the speculator's acceptance counts, and the prompt scores of requests
-        that asked for them (kept until their first output)."""
+    def _learn_cost(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        """The step's time, to the cost model and the speculator: up to its outputs made
+        (sampling's bookkeeping and detokenizing delay the next token as much as the forward
+        pass does)."""
         self.step_cost.observe(
             len(scheduled.num_new_tokens), scheduled.total_tokens, seconds,
             scheduled.attended_positions,
         )  # fmt: skip
         if self.speculator is not None:
             self.speculator.observe_step(scheduled.num_new_tokens, scheduled.drafts, seconds)
-            self.speculator.record(scheduled.drafts, result)
-        for request, (first, scores) in result.prompt_logprobs.items():
-            self.requests[request.request_id].prompt_logprobs.update(enumerate(scores, first))
 
     def _propose(self) -> dict[Request, Proposal]:
         """Drafts for this step; a failing proposer costs the speedup, never the requests."""

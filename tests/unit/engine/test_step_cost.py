@@ -137,9 +137,9 @@ def test_start_up_calibration_fits_this_machine_and_leaves_no_trace(make_engine)
     assert measured_s / 3 < predicted_s < measured_s * 3
 
 
-def test_a_step_costs_what_delays_the_next_token_but_never_idle_time(engine):
-    """The loop's work between steps counts in the next step's cost while the engine has
-    work left; a wait for new work does not."""
+def recorded_step_seconds(engine, monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The seconds each step of `engine` is observed to take, from now on (the engine is
+    shared between tests: the recording goes with this test)."""
     observed_s: list[float] = []
     observe = engine.step_cost.observe
 
@@ -147,7 +147,14 @@ def test_a_step_costs_what_delays_the_next_token_but_never_idle_time(engine):
         observed_s.append(seconds)
         observe(num_seqs, num_tokens, seconds, attended)
 
-    engine.step_cost.observe = recording
+    monkeypatch.setattr(engine.step_cost, "observe", recording)
+    return observed_s
+
+
+def test_a_step_costs_what_delays_the_next_token_but_never_idle_time(engine, monkeypatch):
+    """The loop's work between steps counts in the next step's cost while the engine has
+    work left; a wait for new work does not."""
+    observed_s = recorded_step_seconds(engine, monkeypatch)
     engine.add_request("busy", list(range(1, 9)), greedy(4, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
@@ -156,3 +163,19 @@ def test_a_step_costs_what_delays_the_next_token_but_never_idle_time(engine):
     engine.add_request("after-idle", list(range(1, 9)), greedy(1, ignore_eos=True))
     drain(engine)
     assert observed_s[-1] < 0.2
+
+
+def test_a_step_costs_the_making_of_its_outputs(engine, monkeypatch):
+    """Detokenizing and the bookkeeping after the forward pass delay the next token as
+    much as the pass does: the step's cost counts them."""
+    observed_s = recorded_step_seconds(engine, monkeypatch)
+    emit = engine._emit
+
+    def slow_emit(*args):
+        time.sleep(0.1)
+        return emit(*args)
+
+    monkeypatch.setattr(engine, "_emit", slow_emit)
+    engine.add_request("one", list(range(1, 9)), greedy(2, ignore_eos=True))
+    drain(engine)
+    assert len(observed_s) == 2 and min(observed_s) >= 0.1
