@@ -39,10 +39,10 @@ class Urgency(NamedTuple):
 
 
 DEFAULT_URGENCY = Urgency()
+"""Priority 0, no time-per-token target."""
 MIN_BUDGET_SHARE = 0.5
 """A request behind its target asks its next steps for no less than this share of it: its
 own decodes (and the due ones beside it) still run, only what rides along gives way."""
-"""Priority 0, no time-per-token target."""
 
 
 @dataclass(eq=False)

@@ -165,7 +165,10 @@ def predict(
     prefill_s = _prefill_s(pool, tokens_per_replica, prefill_batch, limit_s, floor_share)
     mask_s = pool.cost.per_constrained_row_s if constrained else 0.0
     ttft_s = step_in_progress_s(pool) + wait_s + prefill_s + mask_s
-    return Prediction(ttft_s, tpot_s + mask_s, len(ahead), wait_s, prefill_s + mask_s)
+    return Prediction(
+        ttft_s=ttft_s, tpot_s=tpot_s + mask_s, num_ahead=len(ahead),
+        slot_wait_s=wait_s, prefill_s=prefill_s + mask_s,
+    )  # fmt: skip
 
 
 def step_in_progress_s(pool: PoolState) -> float:
