@@ -137,38 +137,54 @@ def test_start_up_calibration_fits_this_machine_and_leaves_no_trace(make_engine)
     assert measured_s / 3 < predicted_s < measured_s * 3
 
 
-def recorded_step_seconds(engine, monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """The seconds each step of `engine` is observed to take, from now on (the engine is
-    shared between tests: the recording goes with this test)."""
-    observed_s: list[float] = []
+def recorded_steps(engine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, float, int]]:
+    """Each step of `engine` as the fit observes it from now on: sequences, tokens, seconds,
+    attended positions (the engine is shared between tests: the recording goes with this
+    test)."""
+    observed: list[tuple[int, int, float, int]] = []
     observe = engine.step_cost.observe
 
     def recording(num_seqs: int, num_tokens: int, seconds: float, attended: int = 0) -> None:
-        observed_s.append(seconds)
+        observed.append((num_seqs, num_tokens, seconds, attended))
         observe(num_seqs, num_tokens, seconds, attended)
 
     monkeypatch.setattr(engine.step_cost, "observe", recording)
-    return observed_s
+    return observed
+
+
+def test_a_step_is_learnt_over_the_positions_it_read(engine, monkeypatch):
+    """The fit learns a step over the attended positions the scheduler priced it at (a
+    chunk's tokens each at the chunk's end), counted before the step advanced its requests:
+    counted after, a 40-token prompt's first chunk read as twice the positions it did."""
+    observed = recorded_steps(engine, monkeypatch)
+    prompt = list(range(3001, 3041))  # a prompt no other test sends: nothing cached
+    engine.add_request("prompt", prompt, greedy(2, ignore_eos=True))
+    drain(engine)
+    assert [(n, tokens, attended) for n, tokens, _, attended in observed] == [
+        (1, 40, 40 * 40),
+        (1, 1, 41),
+    ]
 
 
 def test_a_step_costs_what_delays_the_next_token_but_never_idle_time(engine, monkeypatch):
     """The loop's work between steps counts in the next step's cost while the engine has
     work left; a wait for new work does not."""
-    observed_s = recorded_step_seconds(engine, monkeypatch)
+    observed = recorded_steps(engine, monkeypatch)
     engine.add_request("busy", list(range(1, 9)), greedy(4, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
         time.sleep(0.2)  # the loop delivering outputs, slowly
-    assert min(observed_s[1:]) >= 0.2 > observed_s[0]
     engine.add_request("after-idle", list(range(1, 9)), greedy(1, ignore_eos=True))
     drain(engine)
+    observed_s = [seconds for _, _, seconds, _ in observed]
+    assert min(observed_s[1:-1]) >= 0.2 > observed_s[0]
     assert observed_s[-1] < 0.2
 
 
 def test_a_step_costs_the_making_of_its_outputs(engine, monkeypatch):
     """Detokenizing and the bookkeeping after the forward pass delay the next token as
     much as the pass does: the step's cost counts them."""
-    observed_s = recorded_step_seconds(engine, monkeypatch)
+    observed = recorded_steps(engine, monkeypatch)
     emit = engine._emit
 
     def slow_emit(*args):
@@ -178,4 +194,4 @@ def test_a_step_costs_the_making_of_its_outputs(engine, monkeypatch):
     monkeypatch.setattr(engine, "_emit", slow_emit)
     engine.add_request("one", list(range(1, 9)), greedy(2, ignore_eos=True))
     drain(engine)
-    assert len(observed_s) == 2 and min(observed_s) >= 0.1
+    assert len(observed) == 2 and min(seconds for _, _, seconds, _ in observed) >= 0.1
