@@ -123,9 +123,12 @@ def _choose(
     )
     if target not in predictions:  # too large for it: the candidate that takes it
         target = next(iter(predictions))
+    if target in open_pools and tier.on_slo_miss == "downgrade":  # it runs without a target
+        pool = pools[target]
+        untargeted = predict(pool, tier.priority, shape.num_prompt_tokens, None, shape.constrained)
+        return Placement(target, "downgrade", untargeted)
     if target in open_pools:
-        reason = "downgrade" if tier.on_slo_miss == "downgrade" else "queue"
-        return Placement(target, reason, predictions[target])
+        return Placement(target, "queue", predictions[target])
     pool, prediction = pools[target], predictions[target]
     wait_s = drain_s(pool, _queue_ahead(pool, prediction, shape.num_sequences))
     return _refuse(prediction, "shed_queue_full", wait_s, jitter)

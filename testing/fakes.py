@@ -102,6 +102,8 @@ class FakeEngine:
         self._batch = asyncio.Semaphore(config.max_num_seqs)
         self._num_waiting = 0
         self._cached_prefixes: set[tuple[int, ...]] = set()
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+        """Prompt tokens looked up in the prefix cache, and those found, as the engine's."""
         self._running: set[str] = set()
         self.alive = True
         """Set False to play an engine whose step loop died."""
@@ -184,6 +186,8 @@ class FakeEngine:
             (i for i, b in enumerate(blocks) if b not in self._cached_prefixes), len(blocks)
         )
         self._cached_prefixes.update(blocks)
+        self.prefix_cache_queries += len(prompt_token_ids)
+        self.prefix_cache_hits += num_cached * self._block_size
         return num_cached * self._block_size
 
     def abort(self, request_id: str) -> None:
@@ -198,8 +202,8 @@ class FakeEngine:
             num_running=len(self._running),
             num_waiting=self._num_waiting,
             kv_cache_usage=len(self._running) / self._max_num_seqs,
-            prefix_cache_queries=0,
-            prefix_cache_hits=0,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=0,
             generation_tokens_per_s=0.0,
             spec_num_drafts=FAKE_NUM_DRAFTS if self.spec_accepted_per_pos else 0,

@@ -134,6 +134,7 @@ class PoolMonitor:
             prefill_step_limit_s=config.engine.prefill_step_limit_s,
             tokens_computed_per_decode=computed,
             tokens_gained_per_decode=gained,
+            prompt_share_computed=_prompt_share_computed(stats),
         )
 
     def states(self) -> dict[str, PoolState]:
@@ -273,6 +274,15 @@ def _tokens_per_decode(stats: list[EngineStats]) -> tuple[float, float]:
         return 1.0, 1.0
     computed, gained = zip(*(s.spec_tokens_per_decode for s in stats), strict=True)
     return statistics.fmean(computed), statistics.fmean(gained)
+
+
+def _prompt_share_computed(stats: list[EngineStats]) -> float:
+    """Of the prompt tokens the live replicas looked up so far, the share they computed (1
+    before any lookup): what their prefix caches did not hold."""
+    queries = sum(s.prefix_cache_queries for s in stats)
+    if not queries:
+        return 1.0
+    return 1.0 - sum(s.prefix_cache_hits for s in stats) / queries
 
 
 def serve_running_replicas(handles: dict[str, DeploymentHandle]) -> RunningReplicas:

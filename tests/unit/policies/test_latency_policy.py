@@ -3,6 +3,7 @@ real measurement: the grammar mask a constrained request pays)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -197,6 +198,19 @@ def test_standard_is_downgraded_when_no_pool_meets_its_slo():
     assert (decision.pool, decision.reason, decision.downgraded) == ("bulk", "downgrade", True)
 
 
+def test_a_downgraded_request_is_predicted_as_it_runs_without_a_target():
+    """Downgraded, standard runs on the offline pool without its time-per-token target: its
+    prompt does not pause batch decodes there, and its prediction says so."""
+    chat = [replace(s, tpot_target_s=0.03) for s in decoding(0, 1)]
+    bulk = replace(pool("bulk", chat + decoding(2, 30), 64), cost=replace(COST, base_s=0.07))
+    busy = {"fast": pool("fast", decoding(0, 4)), "bulk": bulk}  # 70 ms steps: over its TPOT
+    decision = place(STANDARD, RequestShape(100, 64), busy)
+    assert decision.reason == "downgrade" and decision.prediction is not None
+    untargeted = predict(busy["bulk"], STANDARD.priority, 100)
+    assert decision.prediction == untargeted
+    assert decision.candidates["bulk"] != untargeted  # with its target, batch would pause
+
+
 def test_batch_queues_until_the_queue_is_full_then_is_shed_with_retry_after():
     in_slo = place(
         BATCH, RequestShape(50, 64), {"bulk": pool("bulk", decoding(2, 6), max_queued=4)}
@@ -337,7 +351,7 @@ def test_a_request_waits_out_the_step_in_progress_on_a_busy_pool():
     assert step_in_progress_s(pool("bulk")) == 0.0
     assert step_in_progress_s(bulk) == pytest.approx(0.5 * COST.step_s(1, 1024))
     urgent = predict(bulk, priority=0, num_prompt_tokens=100)  # nothing ahead of it but the step
-    prefill_s = COST.step_s(2, 1 + 100)  # its prompt, the other's next token riding along
+    prefill_s = COST.step_s(1, 100)  # its prompt: the other, still a prompt, decodes nothing
     assert urgent.ttft_s == pytest.approx(step_in_progress_s(bulk) + prefill_s)
 
 
@@ -410,3 +424,92 @@ def test_a_speculating_pool_prices_its_decodes_drafts_and_gains_what_is_accepted
     in_progress = step_in_progress_s(drafting)
     first, second = COST.step_s(3, 8 + 248), COST.step_s(3, 8 + 8)
     assert prompt.ttft_s == pytest.approx(in_progress + first + second)
+
+
+def test_less_urgent_prompts_waiting_are_no_decodes_beside_an_urgent_request():
+    """Standard prompts still waiting for their first token decode nothing: an interactive
+    request's steps hold the two standard streams that decode (due every other step), and
+    less urgent work fills them only up to its target, whatever the queue behind."""
+    standard = [replace(s, tpot_target_s=0.05) for s in decoding(1, 2)]
+    waiting = [replace(s, prefilled=False) for s in standard * 10]
+    busy = pool("bulk", standard + waiting, max_num_seqs=64)
+    queued = predict(busy, priority=0, num_prompt_tokens=64, tpot_target_s=0.025)
+    assert COST.step_s(1 + 10 + 1, 12) > 0.025  # the queue counted as decodes would pass it
+    assert queued.tpot_s == pytest.approx(0.025)
+
+
+def test_slots_held_by_more_urgent_work_stretch_a_less_urgent_first_token():
+    """Three of four slots held by interactive streams: a standard request waits and
+    prefills in the quarter they leave (they keep coming), four times as long as beside
+    three standard streams that hold the same slots; an interactive request is not slowed."""
+    urgent = pool("fast", decoding(0, 3))
+    equal = pool("fast", decoding(1, 3))
+    in_progress = step_in_progress_s(urgent)
+    assert in_progress == pytest.approx(step_in_progress_s(equal))
+    behind = predict(urgent, priority=1, num_prompt_tokens=100)
+    beside = predict(equal, priority=1, num_prompt_tokens=100)
+    assert behind.ttft_s - in_progress == pytest.approx(4 * (beside.ttft_s - in_progress))
+    assert behind.prefill_s == pytest.approx(4 * beside.prefill_s)
+    first = predict(equal, priority=0, num_prompt_tokens=100)
+    assert first.ttft_s == pytest.approx(predict(urgent, priority=0, num_prompt_tokens=100).ttft_s)
+
+
+def test_a_pool_full_of_more_urgent_work_predicts_a_bounded_wait():
+    """Every slot held by more urgent work: the wait is long but finite (MAX_URGENT_SHARE)."""
+    full = pool("fast", decoding(0, 4))
+    starved = predict(full, priority=1, num_prompt_tokens=100)
+    assert math.isfinite(starved.ttft_s)
+    assert starved.ttft_s > 10 * predict(pool("fast"), 1, 100).ttft_s
+
+
+def test_looser_streams_beside_a_prompt_count_in_the_steps_where_they_are_due():
+    """A standard prompt beside an interactive stream (30 ms steps) and standard streams at
+    500 ms: each standard stream is due in about 6% of those steps, so eight of them leave
+    the prompt the room one does (the engine lets the rest ride only where room is left)."""
+    chat = [replace(s, tpot_target_s=0.03) for s in decoding(0, 1)]
+    standard = [replace(s, tpot_target_s=0.5) for s in decoding(1, 8)]
+    eight = pool("bulk", chat + standard, max_num_seqs=64)
+    one = pool("bulk", chat + standard[:1], max_num_seqs=64)
+    crowded = predict(eight, priority=1, num_prompt_tokens=128, tpot_target_s=0.5)
+    alone = predict(one, priority=1, num_prompt_tokens=128, tpot_target_s=0.5)
+    assert crowded.prefill_s == pytest.approx(alone.prefill_s)
+    assert COST.step_s(1 + 8 + 1, 9) > COST.step_s(3, 2)  # counted whole, less room was left
+
+
+def test_prompt_tokens_the_prefix_cache_holds_are_not_predicted_computed():
+    """A pool whose prefix cache held a quarter of the prompt tokens it looked up prefills a
+    128-token prompt, and the one ahead of it, as 96-token prompts on a pool without."""
+    ahead = [InFlightSequence(0, 128, 64, prefilled=False)]
+    cached = replace(pool("fast", ahead), prompt_share_computed=0.75)
+    uncached = pool("fast", [replace(ahead[0], num_prompt_tokens=96)])
+    assert predict(cached, 0, 128).ttft_s == pytest.approx(predict(uncached, 0, 96).ttft_s)
+    assert predict(cached, 0, 128).ttft_s < predict(pool("fast", ahead), 0, 128).ttft_s
+
+
+def test_a_prompt_without_a_target_waits_while_targeted_decodes_fill_the_steps():
+    """Four interactive streams held to 12 ms, whose decodes alone take 17 ms a step: a
+    downgraded 400-token prompt gets no room until they finish (50 tokens at 12 ms), then
+    prefills in whole chunks, not a token a step (400 steps, about 8 s)."""
+    chat = [replace(s, tpot_target_s=0.012) for s in decoding(0, 4)]
+    busy = pool("bulk", chat, max_num_seqs=64)
+    assert COST.step_s(5, 4) > 0.012
+    downgraded = predict(busy, priority=1, num_prompt_tokens=400)
+    stretch = 1 / (1 - 4 / 64)  # the interactive streams keep coming
+    assert downgraded.slot_wait_s == pytest.approx(stretch * 50 * 0.012)
+    chunks = COST.step_s(5, 4 + 252) + COST.step_s(5, 4 + 148)
+    assert downgraded.prefill_s == pytest.approx(stretch * chunks)
+
+
+def test_a_prompt_without_a_target_takes_chunks_within_the_pools_prefill_step_limit():
+    """On a pool that limits prefill steps to 50 ms, a prompt without a target beside four
+    decodes (17 ms) takes 33 ms of tokens a step, and at least the decodes' own time where
+    the limit leaves less (the engine's rule: it always moves)."""
+    limited = replace(pool("bulk", decoding(1, 4), max_num_seqs=64), prefill_step_limit_s=0.05)
+    chunk = int((0.05 - COST.step_s(5, 4)) / COST.per_token_s)
+    steps = math.ceil(200 / chunk)
+    last = 200 - (steps - 1) * chunk
+    expected = (steps - 1) * COST.step_s(5, 4 + chunk) + COST.step_s(5, 4 + last)
+    assert predict(limited, 1, 200).prefill_s == pytest.approx(expected)
+    tight = replace(limited, prefill_step_limit_s=0.001)
+    floor = int(COST.step_s(5, 4) / COST.per_token_s)
+    assert predict(tight, 1, floor).prefill_s == pytest.approx(COST.step_s(5, 4 + floor))

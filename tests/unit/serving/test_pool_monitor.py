@@ -12,6 +12,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.outputs import EngineStats
+from engine.sampling_params import SamplingParams
 from policies.latency import PoolState
 from serving.config import PoolConfig
 from serving.pools.pool_monitor import (
@@ -19,7 +20,7 @@ from serving.pools.pool_monitor import (
     PoolMonitor,
     SentSequence,
 )
-from testing.fakes import FakeEngine, FakePoolHandle
+from testing.fakes import FakeEngine, FakePoolHandle, QueueingFakeEngine
 
 POLL_INTERVAL_S = 0.05
 POOLS = {name: PoolConfig(name=name, model_name="m") for name in ("up", "down")}
@@ -46,6 +47,26 @@ def test_the_replicas_speculation_reaches_the_latency_model() -> None:
     asyncio.run(monitor.poll_once())
     drafting = monitor.state("up")
     assert (drafting.tokens_computed_per_decode, drafting.tokens_gained_per_decode) == (3.0, 2.5)
+
+
+def test_the_replicas_prefix_cache_reaches_the_latency_model() -> None:
+    """A prompt whose blocks a replica holds is not computed again: after the same 64-token
+    prompt twice (its four blocks cached the second time), placement expects a replica to
+    compute half of the prompt tokens it is sent; before any prompt, all of them."""
+    engine = QueueingFakeEngine(EngineConfig())
+    monitor = PoolMonitor({"up": POOLS["up"]}, {"up": FakePoolHandle(engine)}, POLL_INTERVAL_S)
+    asyncio.run(monitor.poll_once())
+    assert monitor.state("up").prompt_share_computed == 1.0
+
+    async def twice() -> None:
+        params = SamplingParams(max_tokens=1)
+        for i in range(2):
+            async for _ in engine.generate(list(range(64)), params, f"r{i}"):
+                pass
+
+    asyncio.run(twice())
+    asyncio.run(monitor.poll_once())
+    assert monitor.state("up").prompt_share_computed == 0.5
 
 
 def test_a_pool_without_replicas_does_not_hold_the_poll_of_the_others() -> None:
