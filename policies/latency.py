@@ -309,8 +309,7 @@ def _room_wait_s(pool: PoolState, prefill_batch: int, limit_s: float | None) -> 
     have finished (0 where they leave room, or none has a target). Priced at one token a
     step, bench_sla's standard requests downgraded to its offline pool were predicted a
     first token in 200-450 s, against 6-36 s measured."""
-    decodes = prefill_batch - 1
-    if limit_s is None or pool.cost.step_s(prefill_batch, pool.decode_tokens(decodes)) < limit_s:
+    if limit_s is None or _decodes_beside_prompt_s(pool, prefill_batch - 1) < limit_s:
         return 0.0
     return max(s.num_remaining_tokens * s.tpot_target_s for s in pool.in_flight if s.tpot_target_s)
 
@@ -384,11 +383,17 @@ def _chunk(pool: PoolState, num_decodes: int, limit_s: float | None, floor_share
     cost = pool.cost
     if limit_s is None or cost.per_token_s <= 0:
         return chunk
-    decodes_s = cost.step_s(num_decodes + 1, pool.decode_tokens(num_decodes))
+    decodes_s = _decodes_beside_prompt_s(pool, num_decodes)
     if floor_share > 0 and decodes_s >= limit_s:  # out of reach: at the decodes' pace
         floor_share = 1.0
     room_s = max(limit_s - decodes_s, floor_share * decodes_s)
     return max(1, min(chunk, int(room_s / cost.per_token_s)))
+
+
+def _decodes_beside_prompt_s(pool: PoolState, num_decodes: int) -> float:
+    """A step of `num_decodes` decodes and a prompt, before the prompt's chunk: the room
+    under a limit is what is left of it."""
+    return pool.cost.step_s(num_decodes + 1, pool.decode_tokens(num_decodes))
 
 
 def _mean_remaining(sequences: Sequence[InFlightSequence]) -> float:
