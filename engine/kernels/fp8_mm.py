@@ -103,13 +103,18 @@ NATIVE = Fp8Layout()
 """The build every engine uses: the widest vectors this CPU has."""
 
 
+def dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The [N, K] weight that e4m3 codes [N, K] and scales per row and group [N, G] mean."""
+    group = codes.shape[1] // scales.shape[1]
+    return codes.to(dtype) * scales.to(dtype).repeat_interleave(group, dim=1)
+
+
 def fp8_mm_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """What the kernel computes, in float64: x [M, K] times e4m3 codes [N, K] scaled per row
     and group of inputs by scales [N, G]."""
-    weight = codes.double() * scales.double().repeat_interleave(
-        codes.shape[1] // scales.shape[1], 1
-    )
-    return (x.double() @ weight.T).to(x.dtype)
+    return (x.double() @ dequantize(codes, scales, torch.float64).T).to(x.dtype)
 
 
 @functools.cache

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
-from engine.kernels.fp8_mm import NATIVE
+from engine.kernels.fp8_mm import NATIVE, dequantize
 from engine.model.args import ModelArgs
 from engine.model.fp8_weights import Fp8Weights
 from engine.model.hf_names import engine_state_dict
@@ -51,9 +51,7 @@ class Fp8Linear(QuantLinear):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The [N, K] float weight this module computes with."""
-        codes, scales = NATIVE.unpack(self.codes, self.scales)
-        group = self.in_features // scales.shape[1]
-        return codes.float() * scales.repeat_interleave(group, dim=1)
+        return dequantize(*NATIVE.unpack(self.codes, self.scales))
 
     def use_int8_activations(self) -> None:
         """FP8 layers compute with float activations only."""
@@ -101,7 +99,7 @@ def swap_in_fp8(model: nn.Module, state: dict[str, torch.Tensor]) -> set[str]:
         codes, scales = (state.pop(f"{layer}.{part}") for part in PARTS)
         (n, k), groups = codes.shape, scales.shape[1]
         if not NATIVE.supports(n, k, k // groups):
-            state[f"{layer}.weight"] = codes.float() * scales.repeat_interleave(k // groups, 1)
+            state[f"{layer}.weight"] = dequantize(codes, scales)
             continue
         with torch.device("meta"):
             set_submodule(model, layer, Fp8Linear(k, n, groups, f"{layer}.bias" in state))

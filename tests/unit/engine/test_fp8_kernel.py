@@ -98,19 +98,23 @@ def test_a_row_is_the_same_alone_in_any_batch_and_on_any_threads(
 
 
 @pytest.fixture(scope="module")
-def fp8_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A per-channel FP8 checkpoint whose projections all fit the kernel's blocks."""
+def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """A per-channel FP8 checkpoint whose projections all fit the kernel's blocks, and the
+    dense weights it stores."""
     dense, config = random_llama(
         hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2
     )
     folder = tmp_path_factory.mktemp("fp8") / "channel"
-    write_fp8(dense, config, "channel", folder, resolve_model_dir("default", default_cache_dir()))
-    return folder
+    tokenizer_dir = resolve_model_dir("default", default_cache_dir())
+    return folder, write_fp8(dense, config, "channel", folder, tokenizer_dir)
 
 
-def test_a_bf16_model_computes_its_projections_from_fp32_scales(fp8_folder: Path) -> None:
-    model, _ = prepare_model(EngineConfig(model=str(fp8_folder), dtype="bfloat16"))
+def test_a_bf16_model_computes_its_projections_from_fp32_scales(fp8_checkpoint) -> None:
+    folder, stored = fp8_checkpoint
+    model, _ = prepare_model(EngineConfig(model=str(folder), dtype="bfloat16"))
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     assert len(layers) == 2 * 4  # qkv, o, gate_up and down in each of 2 layers
     assert all(layer.scales.dtype == torch.float32 for layer in layers)
     assert model.embed_tokens.weight.dtype == torch.bfloat16
+    qkv = [stored[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]
+    assert torch.equal(model.layers[0].self_attn.qkv_proj.dequantized_weight(), torch.cat(qkv))
