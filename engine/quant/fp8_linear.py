@@ -4,9 +4,10 @@ A checkpoint's e4m3 weights and scales (engine/model/fp8_weights.py reads both h
 layouts) become `Fp8Linear` layers over the CPU kernel (engine/kernels/fp8_mm.py), fused
 like dense weights (q/k/v, gate/up concatenate their rows and their rows' scales). At a
 decode step's few rows a matmul waits on its weight reads, and these are half of bf16's.
-Where the kernel is not built here (no compiler, a CPU without AVX2 / F16C, a GPU), or a
-layer's shape does not fit its blocking, the weights are expanded to the model's dtype
-at load instead: the same numbers, read at full width.
+Where the kernel is not built here (no compiler, a CPU without AVX2 / F16C, a GPU), the
+model is split over tensor-parallel ranks, or a layer's shape does not fit its blocking,
+the weights are expanded to the model's dtype at load instead: the same numbers, read at
+full width.
 
 The scales stay fp32 whatever the model's dtype (a bf16 scale would move every weight of
 its row by up to 2^-9): the loader puts the model's other tensors in its dtype itself.
@@ -68,8 +69,10 @@ class Fp8Linear(QuantLinear):
 
 
 def computes_fp8(config: EngineConfig) -> bool:
-    """FP8 layers run here: a CPU engine where the kernel builds."""
-    return torch.device(config.device).type == "cpu" and NATIVE.available()
+    """FP8 layers run here: a CPU engine on one rank (tensor parallelism splits dense
+    weights: its ranks load FP8 expanded) where the kernel builds."""
+    on_cpu = torch.device(config.device).type == "cpu"
+    return on_cpu and config.tensor_parallel_size == 1 and NATIVE.available()
 
 
 def load_fp8(

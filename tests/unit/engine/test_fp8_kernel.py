@@ -13,7 +13,7 @@ import torch
 from engine.config import EngineConfig, default_cache_dir
 from engine.kernels.fp8_mm import AVX2_FLAGS, NATIVE, Fp8Layout, fp8_mm_reference
 from engine.model.loader import resolve_model_dir
-from engine.quant.fp8_linear import Fp8Linear
+from engine.quant.fp8_linear import Fp8Linear, computes_fp8
 from engine.quant.prepare import prepare_model
 from testing.hub_checkpoints import random_llama, write_fp8
 
@@ -118,3 +118,9 @@ def test_a_bf16_model_computes_its_projections_from_fp32_scales(fp8_checkpoint) 
     assert model.embed_tokens.weight.dtype == torch.bfloat16
     qkv = [stored[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]
     assert torch.equal(model.layers[0].self_attn.qkv_proj.dequantized_weight(), torch.cat(qkv))
+
+
+def test_tensor_parallel_ranks_load_fp8_expanded() -> None:
+    # their shards are cut from dense projections (engine/parallel/shard.py)
+    assert computes_fp8(EngineConfig())
+    assert not computes_fp8(EngineConfig(tensor_parallel_size=2))
