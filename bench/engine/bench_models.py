@@ -169,13 +169,12 @@ def main() -> None:
         for name in ("moe", "dense")
         for case in (c1, c32)
     }
-    rates = {key: run.timing.tok_s for key, run in runs.items()}
     for (name, case_name), run in runs.items():
         emit(BENCH, f"throughput_tok_s.tierserve.{name}.{case_name}", run.timing.tok_s,
              "tok/s", **common)  # fmt: skip
         emit(BENCH, f"step_cost_error.p50.{name}.{case_name}", run.step_cost_error, "x",
              **common)  # fmt: skip
-    moe_vs_dense = rates["moe", "c32"] / rates["dense", "c32"]
+    moe_vs_dense = runs["moe", "c32"].timing.tok_s / runs["dense", "c32"].timing.tok_s
     emit(BENCH, "ratio.moe_vs_dense_same_active.c32", moe_vs_dense, "x", **common)
     fp8_and_dense = {"dense": "default", "fp8": str(folders["fp8"])}
     decode = {

@@ -78,7 +78,6 @@ static inline __attribute__((always_inline)) vfloat decode(const int8_t *codes) 
 
 int fp8_rows_per_block(void) { return ROWS_PER_BLOCK; }
 
-
 /* `tile` activation rows from row0 against one block of R output rows (codes w, scales s). */
 static inline __attribute__((always_inline)) void block_tile(
     const float *x, const int8_t *w, const float *s, float *out, int64_t n, int64_t k,

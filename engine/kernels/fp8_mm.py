@@ -5,10 +5,9 @@ two bytes a weight and decodes no faster than bf16; a decode step's matmuls are 
 those reads. The kernel keeps the codes and the checkpoint's scales (per tensor, output
 channel or block, all as a scale per output row and group of inputs) and multiplies in
 fp32 (at many rows, where multiply-adds bound a matmul, slower than oneDNN's bf16: see
-the C file). `fp8_mm_reference` is the same maths in float64 torch:
-the tests hold the kernel to it, and to batch invariance. Where the kernel cannot be
-built (no compiler, no AVX2 / F16C / FMA), `available()` is False and FP8 checkpoints
-load dense.
+the C file). `fp8_mm_reference` is the same maths in float64 torch: the tests hold the
+kernel to it, and to batch invariance. Where the kernel cannot be built (no compiler, no
+AVX2 / F16C / FMA), `available()` is False and FP8 checkpoints load dense.
 """
 
 from __future__ import annotations
