@@ -236,6 +236,7 @@ def add_server_timings(outcomes: Sequence[Outcome]) -> None:
         if fields.get("status") == "refused":
             outcome.refusal_reason = fields.get("reason")
             outcome.predicted_ttft_ms = fields.get("predicted_ttft_ms")
+            outcome.refusal_predictions_ms = fields.get("predictions_ms")
 
 
 async def pool_costs(http: httpx.AsyncClient) -> dict[str, float]:

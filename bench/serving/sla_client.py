@@ -55,6 +55,9 @@ class Outcome:
     refusal_reason: str | None = None
     """From the ingress's log line of a refused request: why (e.g. `shed_slo`), with the
     prediction placement refused it on in `predicted_ttft_ms`."""
+    refusal_predictions_ms: dict[str, list[float]] | None = None
+    """From the same line: each candidate pool's predicted [TTFT, TPOT, sequences ahead]
+    (why none was chosen)."""
 
     def tokens_within(self, start_s: float, end_s: float) -> float:
         """Output tokens streamed between the two times, taken as evenly spread between the
