@@ -13,11 +13,13 @@ import httpx
 import pytest
 from ray.serve import Application
 
+from bench.serving import bench_sla
 from bench.serving.bench_sla import (
     FULL,
     PROTECT_MIX,
     QUICK,
     SHARED_MAX_NUM_SEQS,
+    add_server_timings,
     deployments,
     parse_args,
     protect_streams,
@@ -161,6 +163,33 @@ def test_ttft_error_is_read_against_each_tiers_slo(configured: TierserveConfig) 
         Outcome("interactive", 429, 0.0),
     ]
     assert ttft_error_share_of_slo(client, outcomes) == {"interactive": pytest.approx(0.1)}
+
+
+def test_the_ingress_log_lines_say_where_a_first_token_waited_and_why_a_refusal_came(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A served request gets its ingress TTFT and hops; a refused one its reason, the
+    prediction it was refused on and every candidate pool's (which pool was late, and on
+    TTFT or TPOT); a request with no line is left as the client saw it."""
+    lines = {
+        "served": {"status": "ok", "ttft_ms": 480.0, "ttft_hops_ms": {"to_pool": 12.0}},
+        "refused": {
+            "status": "refused", "reason": "shed_slo", "predicted_ttft_ms": 660.3,
+            "predictions_ms": {"interactive": [2420.4, 52.4, 12], "offline": [660.3, 145.8, 1]},
+        },
+    }  # fmt: skip
+    monkeypatch.setattr(bench_sla, "request_logs", lambda: lines)
+    monkeypatch.setattr(time, "sleep", lambda _: None)
+    served, refused, unlogged = (
+        Outcome("interactive", status, 0.0, request_id=request_id)
+        for status, request_id in ((200, "served"), (429, "refused"), (200, "gone"))
+    )
+    add_server_timings([served, refused, unlogged])
+    assert (served.server_ttft_ms, served.ttft_hops_ms) == (480.0, {"to_pool": 12.0})
+    assert served.refusal_reason is None and served.refusal_predictions_ms is None
+    assert (refused.refusal_reason, refused.predicted_ttft_ms) == ("shed_slo", 660.3)
+    assert refused.refusal_predictions_ms == lines["refused"]["predictions_ms"]
+    assert unlogged.server_ttft_ms is None and unlogged.refusal_reason is None
 
 
 def test_a_refused_stream_waits_its_retry_after_before_the_next_request() -> None:
