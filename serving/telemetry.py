@@ -204,16 +204,8 @@ class Telemetry:
 
     def _check_prediction(self, record: RequestRecord, ttft_s: float, tpot_s: float | None) -> None:
         """A completed request's latency against its placement's prediction, in the error
-        histogram. Not fed back into placement: as a learnt factor per pool, then per pool
-        and priority, it made bench_sla --quick shed 58 and 27 interactive requests while
-        batch work ran, against 0, with no smaller error; learnt only from targeted
-        requests' first tokens and fading without them, it took the interactive TTFT error
-        from 0.13 to 0.09 of the SLO but the interactive goodput under overload from
-        0.91/0.83 to 0.80/0.72 (alternating runs), shedding more: admission near the SLO
-        was better served by the model's own prediction. Nor is the measured time per token
-        used to cap a held step's fitted cost (it only lowered predictions, so more went
-        to the offline pool): bench_sla's overload goodput was 0.74 with 25 sheds, against
-        0.95 with 3 for the same code without it, one run after the other."""
+        histogram. Not fed back into placement: docs/sla.md says what each way of doing so
+        that was tried did to goodput."""
         prediction = record.placement.prediction if record.placement else None
         if prediction is None:
             return
