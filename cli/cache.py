@@ -3,7 +3,8 @@ project's paraphrase and near-miss pairs (serving/cache/calibration.py).
 
 The pairs are embedded by the model the config's embedding pool serves, with that
 pool's engine settings (dtype, quantization), the way the ingress embeds them: the
-last user turn, normalized, mean-pooled. The curve (hit rate of paraphrases and false
+last user turn, normalized, framed as a question, its last position's state
+(serving/cache/question_embedding.py). The curve (hit rate of paraphrases and false
 hit rate of near misses by threshold) is printed for both splits; the threshold chosen
 on the calibration split is written into the config file's `semantic_cache.threshold`.
 """
@@ -29,6 +30,7 @@ from serving.cache.calibration import (
     separation_auc,
     similarities,
 )
+from serving.cache.question_embedding import POOLING, question_prompt
 
 DEFAULT_CONFIG = Path("configs/local.yaml")
 _THRESHOLD_LINE = re.compile(r"^(\s+threshold:\s*)([0-9.]+)(.*)$")
@@ -100,17 +102,21 @@ def calibration_engine(config: Any) -> Any:
     return LLMEngine(engine_config)
 
 
-def embed_texts(engine: Any, texts: list[str], pooling: str = "mean") -> dict[str, np.ndarray]:
-    """Each distinct text's embedding as the semantic cache makes it (normalized, then
-    pooled), keyed by the text as given."""
+def embed_texts(
+    engine: Any, texts: list[str], framed: bool = True, pooling: str = POOLING.pooling
+) -> dict[str, np.ndarray]:
+    """Each distinct text's embedding, keyed by the text as given: by default as the
+    semantic cache makes it (normalized, framed as a question, the last position's state);
+    unframed or mean-pooled for the comparison in bench_semantic_cache."""
     from engine.sampling_params import PoolingParams, SamplingParams
     from serving.cache.request_key import normalize
 
     distinct = sorted(set(texts))
     params = SamplingParams(max_tokens=1, temperature=0)
     for i, text in enumerate(distinct):
-        prompt = engine.tokenizer.encode(normalize(text))
-        engine.add_request(f"embed-{i}", prompt, params, pooling=PoolingParams(pooling=pooling))
+        prompt = question_prompt(normalize(text)) if framed else normalize(text)
+        ids = engine.tokenizer.encode(prompt)
+        engine.add_request(f"embed-{i}", ids, params, pooling=PoolingParams(pooling=pooling))
     vectors: dict[str, np.ndarray] = {}
     while engine.has_unfinished():
         for output in engine.step():

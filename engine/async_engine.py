@@ -28,15 +28,13 @@ from engine.engine_process import EngineProcess
 from engine.messages import AbortRequest, AddRequest, Delivery
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import DEFAULT_URGENCY, Urgency
-from engine.sampling_params import PoolingParams, SamplingParams
+from engine.sampling_params import MEAN_POOLING, PoolingParams, SamplingParams
 
 __all__ = ["EMBEDDING_PARAMS", "AsyncLLMEngine", "EngineRequestError"]
 
 EMBEDDING_PARAMS = SamplingParams(max_tokens=1, temperature=0)
 """What an embedding request is checked against (its prompt must fit the context like a
 one-token generation's); nothing is ever sampled with them."""
-MEAN_POOLING = PoolingParams()
-"""The served pooling: the mean of the last layer's states, L2-normalized."""
 
 
 class AsyncLLMEngine:

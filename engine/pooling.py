@@ -7,12 +7,10 @@ prompt is computed the mean of those states, L2-normalized, is its result.
 Nothing is sampled and no token is appended; the scheduler then finishes it.
 
 The mean weighs every token alike and does not swing with the text's last token,
-which is what an embeddings endpoint's clients expect. It is not the better
-separator of the semantic cache's paraphrase / near-miss pairs on the default model:
-held-out AUC 0.27 against the last token's 0.59 (docs/semantic_cache.md), and
-neither admits a paraphrase within a 1% false-hit budget; `pooling="last"` is kept
-for that comparison. A chunk recomputed after preemption restarts the sum: the sum
-is reset whenever a chunk starts at position 0.
+which is what an embeddings endpoint's clients expect. The last position's state
+(`pooling="last"`) is what the semantic cache reads, over a prompt that frames the
+question for it (serving/cache/question_embedding.py). A chunk recomputed after
+preemption restarts the sum: the sum is reset whenever a chunk starts at position 0.
 """
 
 from __future__ import annotations

@@ -188,7 +188,11 @@ class PoolingParams:
     """How a prompt becomes one vector (picklable: it crosses to the engine process)."""
 
     pooling: Literal["mean", "last"] = "mean"
-    """`mean` over every prompt position (served), or the last position's state (kept for
-    the comparison in bench and docs)."""
+    """`mean` over every prompt position (/v1/embeddings), or the last position's state (the
+    semantic cache's, over a prompt framed for it: serving/cache/question_embedding.py)."""
     normalize: bool = True
     """Scale to unit L2 norm, so a dot product is the cosine similarity."""
+
+
+MEAN_POOLING = PoolingParams()
+"""/v1/embeddings' pooling: the mean of the last layer's states, L2-normalized."""

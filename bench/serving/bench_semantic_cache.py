@@ -22,10 +22,12 @@ held-out split of data/semantic_cache/pairs.jsonl:
   (serving/cache/semantic_cache.py `race`), and `ttft_delta` below measures that;
 - `semantic_cache.miss_ttft_delta_ms.p50`: a fresh question's TTFT with the cache on
   minus the same question's with `"cache": false`, paired (negative: noise won);
-- `semantic_cache.pooling.mean.held_out_auc` / `.last.`: each pooling's separation of
-  paraphrases from near misses on the held-out split (1.0 perfect, 0.5 chance), with the
-  threshold it calibrates to and its held-out hit and false-hit rates (in-process engine
-  of the embedding pool's settings, as `tierserve cache calibrate` runs it).
+- `semantic_cache.embedding.<way>.held_out_auc`: how well each way of embedding a
+  question separates paraphrases from near misses on the held-out split (1.0 perfect,
+  0.5 chance), with the threshold it calibrates to and its held-out hit and false-hit
+  rates: `question_last` (the cache's: framed as a question, last position),
+  `plain_mean` (/v1/embeddings' mean pooling of the text) and `plain_last` (in-process
+  engine of the embedding pool's settings, as `tierserve cache calibrate` runs it).
 """
 
 from __future__ import annotations
@@ -198,23 +200,28 @@ def _body(question: str, variant: int) -> ChatCompletionRequest:
     )
 
 
-def pooling_comparison(config: TierserveConfig, pairs: list[Pair]) -> dict[str, dict]:
-    """Each pooling's threshold (calibration split, the configured false-hit budget) and
+EMBEDDINGS = {"question_last": (True, "last"), "plain_mean": (False, "mean"),
+              "plain_last": (False, "last")}  # fmt: skip
+"""The ways of embedding a question compared: (framed as a question, pooling)."""
+
+
+def embedding_comparison(config: TierserveConfig, pairs: list[Pair]) -> dict[str, dict]:
+    """Each way's threshold (calibration split, the configured false-hit budget) and
     what it gives on the held-out split, with its separation (AUC, held out)."""
     from cli.cache import calibration_engine, embed_texts
 
     engine = calibration_engine(config)
     texts = [t for p in pairs for t in (p.a, p.b)]
     compared = {}
-    for pooling in ("mean", "last"):
-        vectors = embed_texts(engine, texts, pooling)
+    for way, (framed, pooling) in EMBEDDINGS.items():
+        vectors = embed_texts(engine, texts, framed, pooling)
         split = {
             s: [similarities(pairs, vectors, k, s) for k in ("paraphrase", "near_miss")]
             for s in ("calibration", "held_out")
         }
         threshold = choose_threshold(*split["calibration"])
         point = rates(*split["held_out"], threshold)
-        compared[pooling] = {
+        compared[way] = {
             "auc": separation_auc(*split["held_out"]),
             "threshold": threshold,
             "hit_rate": point.hit_rate,
@@ -235,9 +242,9 @@ def main() -> None:
     config = bench_config(args.config)
     pairs = load_pairs()
     threshold = config.semantic_cache.threshold
-    for pooling, figures in pooling_comparison(config, pairs).items():
+    for way, figures in embedding_comparison(config, pairs).items():
         auc = figures.pop("auc")
-        emit(BENCH, f"semantic_cache.pooling.{pooling}.held_out_auc", auc, "auc", **figures)
+        emit(BENCH, f"semantic_cache.embedding.{way}.held_out_auc", auc, "auc", **figures)
     overhead = miss_overhead_ms(config, settings.num_overhead_lookups)
     emit(BENCH, "semantic_cache.miss_overhead_ms.p95", percentile(overhead, 95), "ms",
          entries=config.semantic_cache.max_entries, target="<= 5")  # fmt: skip

@@ -4,7 +4,8 @@ compared by meaning.
 Only the last user turn is compared by meaning (embedded). Everything else that changes
 the answer must be equal: the model, every sampling setting, the tools and tool choice,
 the output format (`response_format`, vLLM's `guided_*`), the system prompt and every
-earlier turn. They are hashed together into the entry's key, and entries are only ever
+earlier turn. They are hashed together into the entry's key, with the embedding model
+and how it embeds a question (serving/cache/question_embedding.py), and entries are only ever
 compared within one key, so no setting can leak across: a hit never crosses models,
 sampling settings, tools or formats.
 
@@ -22,6 +23,7 @@ import re
 from dataclasses import dataclass
 
 from engine.sampling_params import GREEDY_BELOW_TEMPERATURE
+from serving.cache.question_embedding import SCHEME
 from serving.http.schemas.chat import ChatCompletionRequest, ChatMessage
 
 NOT_IN_KEY = frozenset({"messages", "stream", "stream_options", "user", "tier", "cache"})
@@ -58,7 +60,10 @@ def cache_query(body: ChatCompletionRequest, embedding_model: str) -> CacheQuery
     """The request's key and compared text (call only when `cacheable` says None)."""
     settings = body.model_dump(mode="json", exclude=set(NOT_IN_KEY))
     earlier = [_turn(m) for m in body.messages[:-1]]
-    keyed = {"settings": settings, "earlier_turns": earlier, "embedding_model": embedding_model}
+    keyed = {
+        "settings": settings, "earlier_turns": earlier, "embedding_model": embedding_model,
+        "embedding": SCHEME,
+    }  # fmt: skip
     digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()
     return CacheQuery(key=digest, text=normalize(body.messages[-1].text))
 

@@ -1,5 +1,6 @@
-"""The semantic cache as the ingress builds it: its store, and how it embeds a text (the
-embedding pool's engine, through the embeddings route's own `embed`)."""
+"""The semantic cache as the ingress builds it: its store, and how it embeds a question (the
+embedding pool's engine, through the embeddings route's own `embed`, framed and pooled as
+serving/cache/question_embedding.py says)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from serving.cache.entries import CacheStore, StoreBounds
 from serving.cache.memory_store import MemoryStore
+from serving.cache.question_embedding import POOLING, question_prompt
 from serving.cache.redis_store import RedisStore
 from serving.cache.semantic_cache import SemanticCache, Verify
 from serving.config import IngressConfig
@@ -29,10 +31,12 @@ def build_cache(
     embedding_model = config.pool(pool).model_name
 
     async def embed(text: str, priority: int, request_id: str) -> np.ndarray:
-        """The text's embedding on the embedding pool, at the request's priority."""
-        ids = tokenizer.encode(text)
+        """The question's embedding on the embedding pool, at the request's priority."""
+        ids = tokenizer.encode(question_prompt(text))
         timeout_s = min(config.request_timeout_s, 60.0)
-        [output] = await embeddings.embed(pool, [ids], priority, f"cache-{request_id}", timeout_s)
+        [output] = await embeddings.embed(
+            pool, [ids], priority, f"cache-{request_id}", timeout_s, POOLING
+        )
         return np.asarray(output.embedding, dtype=np.float32)
 
     return SemanticCache(settings, embedding_model, embed, _store(config), registry, verify)

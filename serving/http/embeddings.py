@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.outputs import RequestOutput
+from engine.sampling_params import MEAN_POOLING, PoolingParams
 from policies.model_routing import AUTO_MODEL
 from policies.tiers import Tier
 from serving.config import IngressConfig
@@ -125,12 +126,16 @@ class EmbeddingsApi:
         return prompts
 
     async def embed(
-        self, pool: str, prompts: list[list[int]], priority: int, request_id: str, timeout_s: float
-    ) -> list[RequestOutput]:
+        self, pool: str, prompts: list[list[int]], priority: int, request_id: str,
+        timeout_s: float, pooling: PoolingParams = MEAN_POOLING,
+    ) -> list[RequestOutput]:  # fmt: skip
         """Every prompt embedded at once on `pool` (they share the engine's batch); the
         OpenAI error for a refusal, a lost replica or the deadline."""
         handle = self._pools[pool].embed
-        sent = [NewEmbedding(f"emb-{request_id}-{i}", p, priority) for i, p in enumerate(prompts)]
+        sent = [
+            NewEmbedding(f"emb-{request_id}-{i}", p, priority, pooling)
+            for i, p in enumerate(prompts)
+        ]
         calls = [cast(DeploymentResponse, handle.remote(new)) for new in sent]
         try:
             async with asyncio.timeout(timeout_s):

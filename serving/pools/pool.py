@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.model.students import StudentMissing
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import DEFAULT_URGENCY, Urgency
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MEAN_POOLING, PoolingParams, SamplingParams
 from policies.router_choice import ServedStudent
 from serving.pools.served_student import pin_student
 from serving.pools.student_wait import wait_for_student, waiting_reason
@@ -83,6 +83,9 @@ class NewEmbedding:
     request_id: str
     prompt_token_ids: list[int]
     priority: int
+    pooling: PoolingParams = MEAN_POOLING
+    """How its states become one vector: /v1/embeddings serves the mean; the semantic cache
+    asks for its own (serving/cache/question_embedding.py)."""
 
 
 @dataclass(frozen=True)
@@ -219,7 +222,10 @@ class Pool:
         """One input's embedding through the engine's batch (engine/pooling.py); the
         engine aborts it if this call is cancelled."""
         urgency = Urgency(request.priority, None)
-        return await self._ready().embed(request.prompt_token_ids, request.request_id, urgency)
+        engine = self._ready()
+        return await engine.embed(
+            request.prompt_token_ids, request.request_id, urgency, request.pooling
+        )
 
     def tokenizer(self) -> Any:
         """The tokenizer the ingress counts and encodes prompts with."""

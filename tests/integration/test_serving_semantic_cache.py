@@ -3,7 +3,7 @@ real redis-server started here), the real model embedding on the interactive poo
 real `openai` client reading hits and generations alike.
 
 The threshold is configs/local.yaml's (calibrated by `tierserve cache calibrate`); which
-side of it each candidate question falls on is read from the app's own embeddings.
+side of it each candidate question falls on is read from the embeddings calibration makes.
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ import uuid
 from collections.abc import Iterator
 
 import httpx
-import numpy as np
 import openai
 import pytest
 
+from cli.cache import calibration_engine, embed_texts
 from serving.app_config import load_config
-from serving.cache.request_key import normalize
 from serving.cache.semantic_cache import HEADER
 from testing.redis_server import redis_server
 from testing.serve_harness import exact_config, metric, request_replica, serving
@@ -85,14 +84,16 @@ def test_a_repeat_hits_on_both_replicas_through_redis(client: openai.OpenAI) -> 
     assert len(replicas) == 2 and stored_by in replicas
 
 
-def test_hit_above_the_threshold_and_miss_below(base_url: str, client: openai.OpenAI) -> None:
-    """Each candidate is a hit exactly when the model's similarity to the stored question
-    (through /v1/embeddings on the same pool) reaches the threshold; both sides occur."""
+def test_hit_above_the_threshold_and_miss_below(client: openai.OpenAI) -> None:
+    """Each candidate is a hit exactly when its similarity to the stored question, as
+    `tierserve cache calibrate` embeds both (an engine of the pool's settings in this
+    process), reaches the threshold; both sides occur."""
     _ask(client, ASKED)  # stored (or already there)
-    stored = _embedding(base_url, ASKED)
+    vectors = embed_texts(calibration_engine(load_config("configs/local.yaml")),
+                          [ASKED, *CANDIDATES])  # fmt: skip
     outcomes = set()
     for candidate in CANDIDATES:
-        similarity = float(stored @ _embedding(base_url, candidate))
+        similarity = float(vectors[ASKED] @ vectors[candidate])
         if abs(similarity - THRESHOLD) < 2e-4:
             continue  # too close to call between a batched and a lone embedding
         _, headers = _ask(client, candidate)
@@ -176,13 +177,6 @@ def _count(base_url: str, name: str) -> float:
         return metric(base_url, name, tier="standard")
     except KeyError:
         return 0.0
-
-
-def _embedding(base_url: str, text: str) -> np.ndarray:
-    """The vector the cache compares `text` by: normalized, embedded by the same pool."""
-    body = {"model": MODEL, "input": normalize(text), "encoding_format": "float"}
-    response = httpx.post(f"{base_url}/v1/embeddings", json=body, timeout=120)
-    return np.array(response.raise_for_status().json()["data"][0]["embedding"])
 
 
 def _finish(chunks: list) -> str:
