@@ -62,6 +62,13 @@ class SchedulerOutput:
         at the chunk's end: the work of attention, up to a chunk's causal half)."""
         return sum(n * (r.num_computed_tokens + n) for r, n in self.num_new_tokens.items())
 
+    @property
+    def prompt_work(self) -> tuple[int, int]:
+        """This step's prompt tokens and the context positions they read, counted as
+        `attended_positions` counts them (read before the update advances the requests)."""
+        chunks = [(r, n) for r, n in self.num_new_tokens.items() if r.is_prefilling]
+        return sum(n for _, n in chunks), sum(n * (r.num_computed_tokens + n) for r, n in chunks)
+
 
 class Scheduler:
     """Decides who computes what each step, and advances request state after it.

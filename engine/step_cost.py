@@ -67,6 +67,12 @@ class StepCostFit(NamedTuple):
     base_s: float = 0.0
     per_seq_s: float = 0.0
     per_token_s: float = 0.0
+    """A token at the contexts recent steps' tokens read (mostly decodes, on a busy pool)."""
+    per_prompt_token_s: float | None = None
+    """A prompt token at the contexts recent prompt chunks read: less than a decode's on a
+    pool of long streams (a chunk's tokens read only the prompt so far). Priced at
+    `per_token_s`, the interactive pool's prompts under bench_sla's overload were predicted
+    a fifth more steps than they took. None: not reported (`per_token_s` applies)."""
 
 
 class StepCostModel:
@@ -83,12 +89,18 @@ class StepCostModel:
         """Steps were observed since `_theta` was solved."""
         self._spread_s = 0.0
         """Running mean of how far steps were off the fit."""
-        self._positions_per_token = 0.0
-        """Recent attended positions per computed token: the context a token reads today."""
+        self._positions_per_token = _RecentMean()
+        """Attended positions per computed token: the context a token reads today."""
+        self._positions_per_prompt_token = _RecentMean()
+        """The same, of prompt tokens alone."""
         self.num_observations = 0
 
-    def observe(self, num_seqs: int, num_tokens: int, seconds: float, attended: int = 0) -> None:
-        """Fold in one measured step."""
+    def observe(
+        self, num_seqs: int, num_tokens: int, seconds: float, attended: int = 0,
+        prompt_tokens: int = 0, prompt_attended: int = 0,
+    ) -> None:  # fmt: skip
+        """Fold in one measured step, of which `prompt_tokens` tokens were prompt chunks'
+        reading `prompt_attended` positions."""
         x = [1.0, float(num_seqs), float(num_tokens), attended / ATTENDED_UNIT]
         predicted_s = _dot(x, self._fitted())
         weight = self._weight(predicted_s, seconds - predicted_s)
@@ -101,9 +113,9 @@ class StepCostModel:
         ]
         self._stale = True
         if num_tokens:
-            recent = attended / num_tokens
-            share = 1.0 - FORGETTING if self.num_observations else 1.0
-            self._positions_per_token += share * (recent - self._positions_per_token)
+            self._positions_per_token.add(attended / num_tokens)
+        if prompt_tokens:
+            self._positions_per_prompt_token.add(prompt_attended / prompt_tokens)
         self.num_observations += 1
 
     def _weight(self, predicted_s: float, error_s: float) -> float:
@@ -180,10 +192,27 @@ class StepCostModel:
 
     def coefficients(self) -> StepCostFit:
         """The fit as the engine reports it. A token's attention at the contexts of recent
-        steps is folded into its cost, for predictions that know no context
-        (policies/latency.py)."""
+        steps is folded into its cost, and a prompt token's at those of recent prompt
+        chunks into its own, for predictions that know no context (policies/latency.py)."""
         base, per_seq, _, _ = self._fitted()
-        return StepCostFit(base, per_seq, self.token_s(round(self._positions_per_token)))
+        return StepCostFit(
+            base, per_seq,
+            self.token_s(round(self._positions_per_token.value)),
+            self.token_s(round(self._positions_per_prompt_token.value)),
+        )  # fmt: skip
+
+
+class _RecentMean:
+    """A mean that forgets at FORGETTING a step, starting at its first value."""
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self._seen = False
+
+    def add(self, value: float) -> None:
+        share = 1.0 - FORGETTING if self._seen else 1.0
+        self.value += share * (value - self.value)
+        self._seen = True
 
 
 def _dot(a: Vector, b: Vector) -> float:

@@ -6,8 +6,9 @@ request's slot and its prefill; every running sequence, whatever its
 priority, shares the decode steps and so sets the time per token, except
 that a request with a time-per-token target keeps less urgent work out of
 the steps that would overrun it. A step costs
-`base + per_seq * sequences + per_token * tokens` seconds, fitted online by
-each engine (engine/step_cost.py). Work spreads evenly over replicas.
+`base + per_seq * sequences + per_token * decode tokens + per_prompt_token * prompt
+tokens` seconds, fitted online by each engine (engine/step_cost.py; a prompt token
+reads less context than a decode's). Work spreads evenly over replicas.
 
     slot wait   = the sequences ahead take the slots in order, each for its
                   remaining tokens at TPOT; the wait ends when the next one frees.
@@ -64,6 +65,14 @@ take as long as the step's decodes, however far that passes the limit (the engin
 rule, engine/step_targets.py), so it always moves."""
 
 
+AHEAD_PROMPT_DECODING_SHARE = 0.5
+"""Of the steps that prefill a new prompt and the prompts ahead of it, the share in which one
+of those prompts ahead decodes, on average: prompts with a target are prefilled one at a
+time, so the first of k ahead decodes through k of the k + 1 prefills and the last through
+one, k / 2 decodes in all. Counted in every step, the interactive pool's prefill with two
+or three prompts ahead was predicted at 11-15 steps against 8-12 taken (bench_sla overload)."""
+
+
 MAX_URGENT_SHARE = 0.95
 """A less urgent request is predicted to wait at most 20 times as long as the work ahead
 of it alone would take (`_urgent_share`): a pool that more urgent work holds whole starves
@@ -78,12 +87,29 @@ class StepCost:
     base_s: float
     per_seq_s: float
     per_token_s: float
+    """A decode's token (drafts included), at the contexts decodes read."""
     per_constrained_row_s: float = 0.0
     """Filling and applying one row's grammar mask (engine/grammar.py `mask_cost_s`)."""
+    per_prompt_token_s: float | None = None
+    """A prompt chunk's token, which reads only the prompt so far (None: `per_token_s`)."""
 
-    def step_s(self, num_seqs: int, num_tokens: float) -> float:
-        """Predicted duration of a step over `num_seqs` sequences computing `num_tokens`."""
-        return self.base_s + self.per_seq_s * num_seqs + self.per_token_s * num_tokens
+    def step_s(self, num_seqs: int, num_tokens: float, num_prompt_tokens: float = 0) -> float:
+        """Predicted duration of a step over `num_seqs` sequences computing `num_tokens`
+        decode tokens and `num_prompt_tokens` prompt tokens."""
+        per_seq_s = self.per_seq_s * num_seqs
+        return (
+            self.base_s
+            + per_seq_s
+            + self.per_token_s * num_tokens
+            + self.prompt_s(num_prompt_tokens)
+        )
+
+    def prompt_s(self, num_prompt_tokens: float) -> float:
+        """What `num_prompt_tokens` prompt tokens add to a step."""
+        per_prompt_token_s = self.per_prompt_token_s
+        if per_prompt_token_s is None:
+            per_prompt_token_s = self.per_token_s
+        return per_prompt_token_s * num_prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -222,8 +248,9 @@ def step_in_progress_s(pool: PoolState) -> float:
     pending = pool.prompt_tokens_computed(
         sum(s.num_prompt_tokens for s in pool.in_flight if not s.prefilled)
     )
-    tokens = min(pool.max_num_batched_tokens, pool.decode_tokens(batch) + pending / replicas)
-    step_s = pool.cost.step_s(batch, tokens)
+    decode_tokens = pool.decode_tokens(batch)
+    prompt_tokens = min(pool.max_num_batched_tokens - decode_tokens, pending / replicas)
+    step_s = pool.cost.step_s(batch, decode_tokens, max(0.0, prompt_tokens))
     if pool.prefill_step_limit_s is not None:  # the first chunk may take the decodes' time
         decodes_s = pool.decode_step_s(batch)
         step_s = min(step_s, max(pool.prefill_step_limit_s, 2 * decodes_s))
@@ -286,8 +313,8 @@ def _prefill_s(
     num_steps = math.ceil(num_tokens / chunk)
     last_chunk = num_tokens - (num_steps - 1) * chunk
     decode_tokens = pool.decode_tokens(num_decodes)
-    full = pool.cost.step_s(batch, decode_tokens + chunk)
-    return (num_steps - 1) * full + pool.cost.step_s(batch, decode_tokens + last_chunk)
+    full = pool.cost.step_s(batch, decode_tokens, chunk)
+    return (num_steps - 1) * full + pool.cost.step_s(batch, decode_tokens, last_chunk)
 
 
 def _prompt_tokens_left(pool: PoolState, ahead: Sequence[InFlightSequence]) -> float:
@@ -368,9 +395,12 @@ def _decodes_beside_urgent_prompt(pool: PoolState, priority: int, step_s: float)
         if sequence.priority > priority and not sequence.prefilled:
             continue
         if target_s is not None:
-            due += min(1.0, step_s / target_s)
+            share = min(1.0, step_s / target_s)
         elif sequence.priority <= priority:
-            due += 1
+            share = 1.0
+        else:
+            continue
+        due += share if sequence.prefilled else AHEAD_PROMPT_DECODING_SHARE * share
     return math.ceil(due)
 
 
@@ -380,14 +410,14 @@ def _chunk(pool: PoolState, num_decodes: int, limit_s: float | None, floor_share
     the decodes' own time (all of it when they alone pass the limit; engine/step_targets.py),
     and always at least one token."""
     chunk = max(1, pool.max_num_batched_tokens - math.ceil(pool.decode_tokens(num_decodes)))
-    cost = pool.cost
-    if limit_s is None or cost.per_token_s <= 0:
+    prompt_token_s = pool.cost.prompt_s(1)
+    if limit_s is None or prompt_token_s <= 0:
         return chunk
     decodes_s = _decodes_beside_prompt_s(pool, num_decodes)
     if floor_share > 0 and decodes_s >= limit_s:  # out of reach: at the decodes' pace
         floor_share = 1.0
     room_s = max(limit_s - decodes_s, floor_share * decodes_s)
-    return max(1, min(chunk, int(room_s / cost.per_token_s)))
+    return max(1, min(chunk, int(room_s / prompt_token_s)))
 
 
 def _decodes_beside_prompt_s(pool: PoolState, num_decodes: int) -> float:

@@ -191,7 +191,8 @@ class PoolMonitor:
 
     def _step_cost(self, pool: str) -> StepCost:
         """The live replicas' fitted step costs and measured grammar masks, averaged (zero
-        before any replica reported)."""
+        before any replica reported; a prompt token at a decode's cost while one does not
+        report its own)."""
         live = self._live(pool)
         if not live:
             return StepCost(0.0, 0.0, 0.0)
@@ -199,11 +200,13 @@ class PoolMonitor:
         def mean(term: Callable[[_Seen], float]) -> float:
             return sum(term(seen) for seen in live) / len(live)
 
+        prompt_token_s = [seen.stats.step_cost.per_prompt_token_s for seen in live]
         return StepCost(
             base_s=mean(lambda seen: seen.stats.step_cost.base_s),
             per_seq_s=mean(lambda seen: seen.stats.step_cost.per_seq_s),
             per_token_s=mean(lambda seen: seen.stats.step_cost.per_token_s),
             per_constrained_row_s=mean(lambda seen: seen.grammar_mask_s),
+            per_prompt_token_s=_mean_reported(prompt_token_s),
         )
 
     def unavailable_reason(self, pool: str) -> str | None:
@@ -308,3 +311,10 @@ def serve_running_replicas(handles: dict[str, DeploymentHandle]) -> RunningRepli
         return {pool: running(handle) for pool, handle in handles.items()}
 
     return count
+
+
+def _mean_reported(values: list[float | None]) -> float | None:
+    """The mean of `values`, or None when any is missing."""
+    if any(v is None for v in values):
+        return None
+    return sum(v for v in values if v is not None) / len(values)

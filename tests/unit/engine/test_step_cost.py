@@ -21,7 +21,7 @@ def test_fit_recovers_a_known_cost_line():
         num_seqs = rng.randint(1, 64)
         num_tokens = num_seqs + rng.choice([0, 0, 128, 256])
         model.observe(num_seqs, num_tokens, 0.03 + 0.004 * num_seqs + 0.0012 * num_tokens)
-    assert model.coefficients() == pytest.approx((0.03, 0.004, 0.0012), rel=0.02)
+    assert model.coefficients()[:3] == pytest.approx((0.03, 0.004, 0.0012), rel=0.02)
 
 
 def test_fit_recovers_the_attention_term_and_folds_it_into_the_token_cost():
@@ -37,9 +37,23 @@ def test_fit_recovers_the_attention_term_and_folds_it_into_the_token_cost():
         0.03 + 0.004 * 8 + 0.0012 * 100 + 2e-7 * 50_000, rel=0.02
     )
     assert model.tokens_in(0.1, context=1000) < model.tokens_in(0.1, context=0)
-    base, per_seq, per_token = model.coefficients()
+    base, per_seq, per_token, _ = model.coefficients()
     assert (base, per_seq) == pytest.approx((0.03, 0.004), rel=0.05)
     assert per_token > 0.0012  # a token's cost at the recent contexts includes its attention
+
+
+def test_a_prompt_token_is_priced_at_the_context_prompt_chunks_read():
+    """Decodes deep in long streams beside prompt chunks near their start: the reported
+    prompt token costs its attention at the chunks' contexts, less than a decode's."""
+    model, rng = StepCostModel(), random.Random(6)
+    for _ in range(400):
+        num_seqs, chunk, start = rng.randint(1, 16), rng.choice([0, 32, 64]), rng.randint(0, 64)
+        attended = num_seqs * 2000 + chunk * (start + chunk)
+        seconds = 0.02 + 0.002 * num_seqs + 0.001 * (num_seqs + chunk) + 5e-7 * attended
+        model.observe(num_seqs, num_seqs + chunk, seconds, attended, chunk, chunk * (start + chunk))
+    fit = model.coefficients()
+    assert fit.per_prompt_token_s < fit.per_token_s
+    assert fit.per_prompt_token_s == pytest.approx(0.001 + 5e-7 * 80, rel=0.15)
 
 
 def test_decode_only_load_keeps_predicting_right_and_stays_finite():
@@ -48,7 +62,7 @@ def test_decode_only_load_keeps_predicting_right_and_stays_finite():
     for _ in range(5_000):
         n = rng.randint(1, 64)
         model.observe(n, n, 0.02 + 0.005 * n)
-    base, per_seq, per_token = model.coefficients()
+    base, per_seq, per_token, _ = model.coefficients()
     assert base + 32 * (per_seq + per_token) == pytest.approx(0.02 + 0.005 * 32, rel=0.01)
 
 
@@ -67,7 +81,7 @@ def test_recorded_pool_steps_are_predicted_and_the_fit_never_runs_away():
             predicted_s = model.step_s(int(num_seqs), int(num_tokens), int(attended))
             errors.append(abs(predicted_s - seconds) / seconds)
         model.observe(int(num_seqs), int(num_tokens), seconds, int(attended))
-        base, per_seq, per_token = model.coefficients()
+        base, per_seq, per_token, _ = model.coefficients()
         batch_1_s.append(base + per_seq + per_token)
     measured_batch_1_s = statistics.median(s for n, t, _, s in steps if n == 1 and t == 1)
     assert statistics.median(errors) < 0.08
@@ -144,9 +158,11 @@ def recorded_steps(engine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, i
     observed: list[tuple[int, int, float, int]] = []
     observe = engine.step_cost.observe
 
-    def recording(num_seqs: int, num_tokens: int, seconds: float, attended: int = 0) -> None:
+    def recording(
+        num_seqs: int, num_tokens: int, seconds: float, attended: int = 0, *prompt_work: int
+    ) -> None:
         observed.append((num_seqs, num_tokens, seconds, attended))
-        observe(num_seqs, num_tokens, seconds, attended)
+        observe(num_seqs, num_tokens, seconds, attended, *prompt_work)
 
     monkeypatch.setattr(engine.step_cost, "observe", recording)
     return observed

@@ -38,12 +38,12 @@ def request(name: str, prompt_len: int, priority: int, target_s: float | None) -
 
 
 def predicted_s(scheduler: Scheduler, tokens: dict[str, int]) -> float:
-    base, per_seq, per_token = scheduler.step_cost.coefficients()
+    base, per_seq, per_token, _ = scheduler.step_cost.coefficients()
     return base + per_seq * len(tokens) + per_token * sum(tokens.values())
 
 
 def test_fit_recovers_the_synthetic_step_cost():
-    base, per_seq, per_token = fitted_cost().coefficients()
+    base, per_seq, per_token, _ = fitted_cost().coefficients()
     assert abs(base - BASE_S) < 1e-4 and abs(per_seq - PER_SEQ_S) < 1e-4
     assert abs(per_token - PER_TOKEN_S) < 1e-4
 

@@ -400,6 +400,41 @@ def test_a_decoding_target_cuts_a_prompt_into_chunks_within_it():
     assert held_ttft == pytest.approx(COST.step_s(2, 1) * steps + COST.per_token_s * prompt)
 
 
+def test_a_prompt_token_cheaper_than_a_decode_token_is_chunked_at_its_own_cost():
+    """Beside a stream held to a target, the room each step leaves is cut into prompt tokens
+    at what a prompt token costs (it reads only the prompt so far), not a decode's."""
+    targeted = [InFlightSequence(0, 100, 50, prefilled=True, tpot_target_s=0.03)]
+    cheap_prompts = replace(COST, per_prompt_token_s=COST.per_token_s / 2)
+    held = pool("fast", targeted)
+    held_cheap = replace(held, cost=cheap_prompts)
+    room_s = 0.03 - COST.step_s(2, 1)
+    chunk = int(room_s / COST.per_token_s)
+    cheap_chunk = int(room_s / cheap_prompts.per_prompt_token_s)
+    assert cheap_chunk >= 2 * chunk
+    prompt = 200
+    ttft = predict(held, 0, prompt).ttft_s - step_in_progress_s(held)
+    cheap_ttft = predict(held_cheap, 0, prompt).ttft_s - step_in_progress_s(held_cheap)
+    steps, cheap_steps = -(-prompt // chunk), -(-prompt // cheap_chunk)
+    assert cheap_steps < steps
+    decodes_s = COST.step_s(2, 1)
+    assert cheap_ttft == pytest.approx(decodes_s * cheap_steps + cheap_prompts.prompt_s(prompt))
+    assert ttft == pytest.approx(decodes_s * steps + COST.prompt_s(prompt))
+
+
+def test_prompts_ahead_decode_beside_a_new_prompt_for_half_its_wait():
+    """Two interactive prompts ahead are prefilled one at a time, then decode: over the
+    prefills up to the new prompt's, they decode beside it one at a time on average, so
+    the steps leave the room that one more decoding stream leaves, not two more. (Of
+    their 200 tokens, 150 are left: the one being computed is half done.)"""
+    stream = InFlightSequence(0, 100, 50, prefilled=True, tpot_target_s=0.05)
+    ahead = [replace(stream, prefilled=False)] * 2
+    with_prompts_ahead = predict(pool("fast", [stream, *ahead]), 0, 100, 0.05)
+    one_more_stream = predict(pool("fast", [stream, stream]), 0, 100 + 150, 0.05)
+    assert with_prompts_ahead.prefill_s == pytest.approx(one_more_stream.prefill_s)
+    two_more_streams = predict(pool("fast", [stream] * 3), 0, 100 + 150, 0.05)
+    assert two_more_streams.prefill_s > with_prompts_ahead.prefill_s
+
+
 def test_a_prompt_behind_a_tighter_target_in_flight_gets_only_the_room_it_leaves():
     """An interactive sequence still prefilling decodes within a few steps, at its target:
     a standard prompt (a looser target) behind it is predicted in the chunks that target
