@@ -30,7 +30,7 @@ from engine.prompt_limits import PromptLimits
 from engine.quant.prepare import prepare_model
 from engine.request import Request, Urgency
 from engine.sampling_params import PoolingParams, SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerOutput, StepWork
 from engine.spec_decode import DraftModelProposer, Proposal, Speculator, build_speculator
 from engine.step_cost import StepCostModel
 from engine.token_counters import TokenCounters
@@ -160,15 +160,14 @@ class LLMEngine:
         if not scheduled.num_new_tokens:
             self._busy_since_s = None
             return []
-        attended = scheduled.attended_positions  # before the update advances the requests
-        prompt_work = scheduled.prompt_work
+        work = scheduled.work  # before the update advances the requests
         result = self._execute(scheduled)
         kept = self.scheduler.update(scheduled, result)
         outputs = [self._emit(request, token_ids, result) for request, token_ids in kept.items()]
         self.counters.count_generated(sum(len(o.new_token_ids) for o in outputs))
         ended_s = time.perf_counter()
         if len(result.failed) < len(scheduled.num_new_tokens):  # not a failed forward pass
-            self._learn_cost(scheduled, ended_s - began_s, attended, prompt_work)
+            self._learn_cost(scheduled, work, ended_s - began_s)
         self._busy_since_s = ended_s if self.has_unfinished() else None
         return outputs
 
@@ -189,17 +188,13 @@ class LLMEngine:
             self.requests[request.request_id].prompt_logprobs.update(enumerate(scores, first))
         return result
 
-    def _learn_cost(
-        self, scheduled: SchedulerOutput, seconds: float, attended: int,
-        prompt_work: tuple[int, int],
-    ) -> None:  # fmt: skip
+    def _learn_cost(self, scheduled: SchedulerOutput, work: StepWork, seconds: float) -> None:
         """The step's time, to the cost model and the speculator: up to its outputs made
         (sampling's bookkeeping and detokenizing delay the next token as much as the forward
-        pass does), over the `attended` positions the scheduler priced it at, of which its
-        prompt chunks' tokens and positions are `prompt_work`."""
+        pass does), over the `work` the scheduler priced it at."""
         self.step_cost.observe(
-            len(scheduled.num_new_tokens), scheduled.total_tokens, seconds, attended,
-            *prompt_work,
+            work.num_seqs, work.num_tokens, seconds, work.attended, work.prompt_tokens,
+            work.prompt_attended,
         )  # fmt: skip
         if self.speculator is not None:
             self.speculator.observe_step(scheduled.num_new_tokens, scheduled.drafts, seconds)

@@ -29,7 +29,7 @@ import itertools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.kv_cache import KVCacheManager
 from engine.outputs import RunnerOutput
@@ -39,6 +39,19 @@ from engine.step_targets import StepTargets
 
 if TYPE_CHECKING:
     from engine.spec_decode import Proposal
+
+
+class StepWork(NamedTuple):
+    """What one step computed, as the step-cost fit reads it (`StepCostModel.observe`)."""
+
+    num_seqs: int
+    num_tokens: int
+    attended: int
+    """Context positions its tokens read (`SchedulerOutput.attended_positions`)."""
+    prompt_tokens: int
+    """Of its tokens, those of prompt chunks."""
+    prompt_attended: int
+    """Of its positions, those its prompt chunks read."""
 
 
 @dataclass
@@ -63,11 +76,14 @@ class SchedulerOutput:
         return sum(n * (r.num_computed_tokens + n) for r, n in self.num_new_tokens.items())
 
     @property
-    def prompt_work(self) -> tuple[int, int]:
-        """This step's prompt tokens and the context positions they read, counted as
+    def work(self) -> StepWork:
+        """The step as the step-cost fit reads it, its prompt chunks' positions counted as
         `attended_positions` counts them (read before the update advances the requests)."""
         chunks = [(r, n) for r, n in self.num_new_tokens.items() if r.is_prefilling]
-        return sum(n for _, n in chunks), sum(n * (r.num_computed_tokens + n) for r, n in chunks)
+        return StepWork(
+            len(self.num_new_tokens), self.total_tokens, self.attended_positions,
+            sum(n for _, n in chunks), sum(n * (r.num_computed_tokens + n) for r, n in chunks),
+        )  # fmt: skip
 
 
 class Scheduler:

@@ -145,10 +145,12 @@ def _record_step_cost_errors(engine: LLMEngine) -> list[float]:
     fit, errors = engine.step_cost, []
     learn = fit.observe
 
-    def observe(num_seqs: int, num_tokens: int, seconds: float, attended: int = 0) -> None:
+    def observe(
+        num_seqs: int, num_tokens: int, seconds: float, attended: int = 0, *prompt_work: int
+    ) -> None:
         predicted = fit.step_s(num_seqs, num_tokens, attended)
         errors.append(abs(predicted - seconds) / seconds)
-        learn(num_seqs, num_tokens, seconds, attended)
+        learn(num_seqs, num_tokens, seconds, attended, *prompt_work)
 
     fit.observe = observe  # type: ignore[method-assign]
     return errors
