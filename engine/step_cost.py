@@ -210,6 +210,7 @@ class _RecentMean:
         self._seen = False
 
     def add(self, value: float) -> None:
+        """Move the mean toward `value` (to it, the first time)."""
         share = 1.0 - FORGETTING if self._seen else 1.0
         self.value += share * (value - self.value)
         self._seen = True

@@ -96,13 +96,8 @@ class StepCost:
     def step_s(self, num_seqs: int, num_tokens: float, num_prompt_tokens: float = 0) -> float:
         """Predicted duration of a step over `num_seqs` sequences computing `num_tokens`
         decode tokens and `num_prompt_tokens` prompt tokens."""
-        per_seq_s = self.per_seq_s * num_seqs
-        return (
-            self.base_s
-            + per_seq_s
-            + self.per_token_s * num_tokens
-            + self.prompt_s(num_prompt_tokens)
-        )
+        decodes_s = self.per_seq_s * num_seqs + self.per_token_s * num_tokens
+        return self.base_s + decodes_s + self.prompt_s(num_prompt_tokens)
 
     def prompt_s(self, num_prompt_tokens: float) -> float:
         """What `num_prompt_tokens` prompt tokens add to a step."""
