@@ -205,7 +205,8 @@ def predict(
     limit_s = _prefill_limit_s(pool, tpot_target_s)
     prefill_batch = _prefill_batch(pool, priority, tpot_target_s, limit_s)
     if tpot_target_s is not None:  # less urgent work rides along only up to the target
-        step_s = max(pool.decode_step_s(prefill_batch), min(step_s, tpot_target_s))
+        held_batch = _prefill_batch(pool, priority, tpot_target_s, limit_s, ahead_share=1.0)
+        step_s = max(pool.decode_step_s(held_batch), min(step_s, tpot_target_s))
     tpot_s = step_s / pool.tokens_gained_per_decode
     wait_s = _slot_wait_s(pool, ahead, tpot_s)
     prefill_tokens = pool.prompt_tokens_computed(
@@ -358,26 +359,31 @@ def _floor_share(tpot_target_s: float | None, limit_s: float | None) -> float:
 
 
 def _prefill_batch(
-    pool: PoolState, priority: int, tpot_target_s: float | None, limit_s: float | None
-) -> int:
+    pool: PoolState, priority: int, tpot_target_s: float | None, limit_s: float | None,
+    ahead_share: float = AHEAD_PROMPT_DECODING_SHARE,
+) -> int:  # fmt: skip
     """Sequences per step while a new prompt of `priority` prefills, itself included: with
-    `tpot_target_s`, the decodes due in steps held to it (or to a tighter `limit_s`);
-    without, every decode and every prompt of equal or more urgent priority (less urgent
-    prompts wait: the budget goes to the more urgent first)."""
+    `tpot_target_s`, the decodes due in steps held to it (or to a tighter `limit_s`), a
+    prompt ahead counted at `ahead_share` (1 once the new request decodes: by then every
+    prompt ahead does too); without, every decode and every prompt of equal or more urgent
+    priority (less urgent prompts wait: the budget goes to the more urgent first)."""
     if tpot_target_s is None:
         count = sum(s.prefilled or s.priority <= priority for s in pool.in_flight)
     else:
         step_s = min(tpot_target_s, limit_s or math.inf)
-        count = _decodes_beside_urgent_prompt(pool, priority, step_s)
+        count = _decodes_beside_urgent_prompt(pool, priority, step_s, ahead_share)
     return _batch(pool, count + 1)
 
 
-def _decodes_beside_urgent_prompt(pool: PoolState, priority: int, step_s: float) -> int:
+def _decodes_beside_urgent_prompt(
+    pool: PoolState, priority: int, step_s: float, ahead_share: float
+) -> int:
     """The decodes that keep running while a prompt of `priority` prefills in steps held to
     `step_s` (its target, or a tighter one decoding): each with a target in the share of
     those steps where it is due, about `step_s` over its own target (engine/step_targets.py:
     a looser target than the step's decodes once a step more would pass it); one of equal
-    or more urgent priority without a target in every step. A less urgent one counts only
+    or more urgent priority without a target in every step; a prompt ahead, at
+    `ahead_share` of that. A less urgent one counts only
     once it decodes, and without a target not at all: it rides in what the prompt leaves.
     Counted as decodes, bench_sla's standard and batch prompts waiting on the offline pool
     priced an interactive request's steps there at 120-150 ms against a 107 ms target that
@@ -395,7 +401,7 @@ def _decodes_beside_urgent_prompt(pool: PoolState, priority: int, step_s: float)
             share = 1.0
         else:
             continue
-        due += share if sequence.prefilled else AHEAD_PROMPT_DECODING_SHARE * share
+        due += share if sequence.prefilled else ahead_share * share
     return math.ceil(due)
 
 

@@ -433,6 +433,10 @@ def test_prompts_ahead_decode_beside_a_new_prompt_for_half_its_wait():
     assert with_prompts_ahead.prefill_s == pytest.approx(one_more_stream.prefill_s)
     two_more_streams = predict(pool("fast", [stream] * 3), 0, 100 + 150, 0.05)
     assert two_more_streams.prefill_s > with_prompts_ahead.prefill_s
+    slow = replace(COST, per_seq_s=0.02)  # a step of the three streams passes the target
+    held = predict(replace(pool("fast", [stream, *ahead]), cost=slow), 0, 100, 0.05)
+    streams = predict(replace(pool("fast", [stream] * 3), cost=slow), 0, 100, 0.05)
+    assert held.tpot_s == streams.tpot_s > 0.05  # it decodes once they all do
 
 
 def test_a_prompt_behind_a_tighter_target_in_flight_gets_only_the_room_it_leaves():
