@@ -73,7 +73,7 @@ class SchedulerOutput:
     def attended_positions(self) -> int:
         """Context positions this step's tokens read, summed (a chunk's tokens each counted
         at the chunk's end: the work of attention, up to a chunk's causal half)."""
-        return sum(n * (r.num_computed_tokens + n) for r, n in self.num_new_tokens.items())
+        return sum(_attended(r, n) for r, n in self.num_new_tokens.items())
 
     @property
     def work(self) -> StepWork:
@@ -82,8 +82,13 @@ class SchedulerOutput:
         chunks = [(r, n) for r, n in self.num_new_tokens.items() if r.is_prefilling]
         return StepWork(
             len(self.num_new_tokens), self.total_tokens, self.attended_positions,
-            sum(n for _, n in chunks), sum(n * (r.num_computed_tokens + n) for r, n in chunks),
+            sum(n for _, n in chunks), sum(_attended(r, n) for r, n in chunks),
         )  # fmt: skip
+
+
+def _attended(request: Request, num_new: int) -> int:
+    """Positions `num_new` tokens of `request` read, each counted at the chunk's end."""
+    return num_new * (request.num_computed_tokens + num_new)
 
 
 class Scheduler:

@@ -245,8 +245,8 @@ def step_in_progress_s(pool: PoolState) -> float:
         sum(s.num_prompt_tokens for s in pool.in_flight if not s.prefilled)
     )
     decode_tokens = pool.decode_tokens(batch)
-    prompt_tokens = min(pool.max_num_batched_tokens - decode_tokens, pending / replicas)
-    step_s = pool.cost.step_s(batch, decode_tokens, max(0.0, prompt_tokens))
+    prompt_tokens = max(0.0, min(pool.max_num_batched_tokens - decode_tokens, pending / replicas))
+    step_s = pool.cost.step_s(batch, decode_tokens, prompt_tokens)
     if pool.prefill_step_limit_s is not None:  # the first chunk may take the decodes' time
         decodes_s = pool.decode_step_s(batch)
         step_s = min(step_s, max(pool.prefill_step_limit_s, 2 * decodes_s))
