@@ -62,7 +62,7 @@ Matrix = list[list[float]]
 class StepCostFit(NamedTuple):
     """What the engine reports of its step cost: a step takes base + per sequence in the
     batch + per token computed, in seconds. The ingress predicts latency from it
-    (policies.latency.StepCost, which adds what serving measures apart)."""
+    (policies.pool_state.StepCost, which adds what serving measures apart)."""
 
     base_s: float = 0.0
     per_seq_s: float = 0.0

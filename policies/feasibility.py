@@ -15,7 +15,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from policies.latency import PoolState, predict
+from policies.latency import predict
+from policies.pool_state import PoolState
 from policies.tiers import Tier
 
 TYPICAL_PROMPT_TOKENS = 200

@@ -36,7 +36,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from policies.latency import PoolState, Prediction, drain_s, predict
+from policies.latency import Prediction, drain_s, predict
+from policies.pool_state import PoolState
 from policies.tiers import Tier
 
 MIN_RETRY_AFTER_S = 1

@@ -12,7 +12,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, model_validator
 
-from serving.config import IngressConfig, require_at_least
+from serving.config import IngressConfig
+from serving.strict_model import require_at_least
 
 
 class TierserveConfig(IngressConfig):

@@ -1,4 +1,4 @@
-"""Config models the deployments read: pools, API keys, the gateway, the ingress.
+"""Config models the deployments read: pools, tiers, request limits, batch jobs, the ingress.
 
 Validated by pydantic at the YAML boundary (serving.app_config.IngressConfig extends
 IngressConfig with app-level settings), so a typo fails at `serve run`, not at
@@ -8,24 +8,19 @@ dataclass: one definition, one set of checks.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from engine.config import EngineConfig
 from policies.tiers import Tier
 from serving.cache.config import SemanticCacheConfig
+from serving.gateway_config import GatewayConfig
+from serving.strict_model import StrictModel, require_at_least, require_unique
 
 
-class _Strict(BaseModel):
-    """Base for config models: unknown keys are errors, instances are immutable."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class AutoscalingSettings(_Strict):
+class AutoscalingSettings(StrictModel):
     """How a pool scales: replica bounds, per-replica engine-load targets, Serve's timing.
 
     The policy (serving/pools/scaling.py, policies/scaling.py) sizes the pool
@@ -54,7 +49,7 @@ class AutoscalingSettings(_Strict):
         return self
 
 
-class ReplicaChoiceSettings(_Strict):
+class ReplicaChoiceSettings(StrictModel):
     """How a pool's replica choice (a Serve request router, serving/pools/replica_choice.py)
     picks a replica."""
 
@@ -74,7 +69,7 @@ class ReplicaChoiceSettings(_Strict):
     """Prefixes each chooser remembers the replica of (least recently used dropped first)."""
 
 
-class PoolConfig(_Strict):
+class PoolConfig(StrictModel):
     """A pool: one engine per replica, tuned toward one end of the latency/throughput dial."""
 
     name: str
@@ -130,87 +125,7 @@ class PoolConfig(_Strict):
         return self.price_per_replica_hour / self.engine.max_num_seqs
 
 
-class CallerPolicy(_Strict):
-    """What a caller may do: its default tier, the tiers it may use and its rate limits
-    (None means unlimited). Anonymous callers get one of these; keys extend it."""
-
-    name: str
-    """Shown in logs and errors instead of the key itself."""
-    default_tier: str | None = None
-    allowed_tiers: tuple[str, ...] | None = None
-    """Tiers this caller may ask for (403 otherwise); None allows every tier."""
-    requests_per_minute: int | None = Field(default=None, ge=1)
-    """Counts sequences (prompts x n), not HTTP requests."""
-    tokens_per_minute: int | None = Field(default=None, ge=1)
-    """Counts prompt tokens plus the requested max_tokens of every sequence."""
-
-    @model_validator(mode="after")
-    def _check_default_is_allowed(self) -> CallerPolicy:
-        if self.default_tier is not None and not self.may_use(self.default_tier):
-            raise ValueError(
-                f"{self.name!r}: default_tier {self.default_tier!r} "
-                f"is not in allowed_tiers {list(self.allowed_tiers or ())}"
-            )
-        return self
-
-    def may_use(self, tier: str) -> bool:
-        """Whether this caller may ask for `tier`."""
-        return self.allowed_tiers is None or tier in self.allowed_tiers
-
-
-class ApiKeyConfig(CallerPolicy):
-    """A client key and its policy. The key comes from exactly one source: inline `key`,
-    the environment variable `key_env`, or the file `key_file` (a mounted Kubernetes
-    Secret). Env vars and files are read by the ingress replica, where they exist."""
-
-    key: str | None = Field(default=None, repr=False)
-    key_env: str | None = None
-    key_file: str | None = None
-
-    @model_validator(mode="after")
-    def _check_source(self) -> ApiKeyConfig:
-        sources = [s for s in (self.key, self.key_env, self.key_file) if s is not None]
-        if len(sources) != 1:
-            raise ValueError(f"API key {self.name!r} needs exactly one of key, key_env, key_file")
-        if self.key is not None and not self.key.strip():
-            raise ValueError(f"API key {self.name!r} is empty")
-        return self
-
-    def read_key(self) -> str:
-        """The key's text from its source; ValueError when the source is missing or empty."""
-        if self.key is not None:
-            text = self.key
-        elif self.key_env is not None:
-            text = os.environ.get(self.key_env, "")
-        else:
-            path = Path(self.key_file or "")
-            if not path.is_file():
-                raise ValueError(f"API key {self.name!r}: key_file {str(path)!r} does not exist")
-            text = path.read_text()
-        text = text.strip()  # Secret files and env files often end with a newline
-        if not text:
-            source = "key" if self.key is not None else self.key_env or self.key_file
-            raise ValueError(f"API key {self.name!r} is empty (source: {source})")
-        return text
-
-
-class GatewayConfig(_Strict):
-    """Authentication and per-key limits at the ingress."""
-
-    require_api_key: bool = False
-    """Off for local runs; when on, unknown or missing keys get a 401 on every route
-    but /health."""
-    api_keys: tuple[ApiKeyConfig, ...] = ()
-    anonymous: CallerPolicy = CallerPolicy(name="anonymous")
-    """Limits and tiers for requests without a known key when keys are optional."""
-
-    @model_validator(mode="after")
-    def _check_names(self) -> GatewayConfig:
-        _require_unique("API key", [k.name for k in self.api_keys])
-        return self
-
-
-class RequestLimits(_Strict):
+class RequestLimits(StrictModel):
     """The most one request may ask for: bounds that keep one caller from stalling the rest."""
 
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
@@ -228,7 +143,7 @@ class RequestLimits(_Strict):
     """Length of each stop string."""
 
 
-class BatchJobsConfig(_Strict):
+class BatchJobsConfig(StrictModel):
     """The Files and Batches APIs and the runner that feeds their lines to a pool."""
 
     enabled: bool = True
@@ -250,7 +165,7 @@ class BatchJobsConfig(_Strict):
     holding data_dir's volume offers, so a restarted runner finds its store."""
 
 
-class SmallModelConfig(_Strict):
+class SmallModelConfig(StrictModel):
     """The small model and how requests reach it (policies/model_routing.py)."""
 
     pool: str
@@ -261,7 +176,7 @@ class SmallModelConfig(_Strict):
     that student has no router of its own beside it (policies/router_choice.py)."""
 
 
-class IngressConfig(_Strict):
+class IngressConfig(StrictModel):
     """What the ingress routes by: the public model, tiers, pools and the gateway."""
 
     model_name: str = "SmolLM2-135M-Instruct"
@@ -285,8 +200,8 @@ class IngressConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_references(self) -> IngressConfig:
-        _require_unique("pool", [p.name for p in self.pools])
-        _require_unique("tier", [t.name for t in self.tiers])
+        require_unique("pool", [p.name for p in self.pools])
+        require_unique("tier", [t.name for t in self.tiers])
         self._check_pool_references()
         self._check_tier_references()
         self._check_small_model()
@@ -396,16 +311,3 @@ def _named(kind: str, items: tuple[_Named, ...], name: str) -> _Named:
         if item.name == name:
             return item
     raise KeyError(f"no {kind} {name!r}; {kind}s: {sorted(i.name for i in items)}")
-
-
-def require_at_least(model: BaseModel, field: str, floor: str) -> None:
-    """Raise ValueError unless `model.field >= model.floor`, naming both and their values."""
-    value, floor_value = getattr(model, field), getattr(model, floor)
-    if value < floor_value:
-        raise ValueError(f"{field} ({value}) must be at least {floor} ({floor_value})")
-
-
-def _require_unique(kind: str, names: list[str]) -> None:
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ValueError(f"{kind} names must be unique; repeated: {duplicates}")

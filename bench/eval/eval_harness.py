@@ -42,7 +42,7 @@ from bench.report import emit, log  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
 from engine.model.loader import resolve_model_dir  # noqa: E402
 from serving.app_config import TierserveConfig, load_config  # noqa: E402
-from serving.config import ApiKeyConfig, GatewayConfig  # noqa: E402
+from serving.gateway_config import ApiKeyConfig, GatewayConfig  # noqa: E402
 from testing.local_cluster import serving  # noqa: E402
 
 BENCH = "eval"

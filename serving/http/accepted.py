@@ -15,7 +15,7 @@ from policies.model_routing import ModelChoice
 from policies.placement import Placement
 from policies.tiers import Tier
 from serving.cache.semantic_cache import Lookup
-from serving.config import CallerPolicy
+from serving.gateway_config import CallerPolicy
 from serving.http.openai_api import Endpoint
 from serving.http.schemas.sampling import SamplingFields
 from serving.http.streaming import SequenceProgress

@@ -8,7 +8,7 @@ import hmac
 import time
 
 from policies.rate_limit import RateLimiter, RequestTooLarge
-from serving.config import ApiKeyConfig, CallerPolicy, GatewayConfig
+from serving.gateway_config import ApiKeyConfig, CallerPolicy, GatewayConfig
 from serving.http.errors import ApiError, bad_request, forbidden, too_many_requests
 
 RATE_LIMITED = "rate_limited"

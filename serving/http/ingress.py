@@ -27,7 +27,8 @@ from policies.difficulty import DifficultyModel
 from serving.batch.api import BatchApi
 from serving.cache.semantic_cache import Lookup
 from serving.cache.wiring import build_cache
-from serving.config import CallerPolicy, IngressConfig
+from serving.config import IngressConfig
+from serving.gateway_config import CallerPolicy
 from serving.http.accepted import AcceptedRequest
 from serving.http.answers import Answers
 from serving.http.embeddings import EmbeddingsApi

@@ -18,7 +18,8 @@ from policies.difficulty import prompt_features
 from policies.model_routing import ModelChoice, ModelRoutes, choose_model
 from policies.placement import RequestShape, ShedFirst, place
 from policies.tiers import Tier, resolve_tier
-from serving.config import CallerPolicy, IngressConfig
+from serving.config import IngressConfig
+from serving.gateway_config import CallerPolicy
 from serving.http.accepted import AcceptedRequest
 from serving.http.engine_inputs import sampling_params
 from serving.http.errors import (

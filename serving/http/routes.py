@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import compile_path
 
-from serving.config import CallerPolicy
+from serving.gateway_config import CallerPolicy
 from serving.http.errors import ApiError
 
 

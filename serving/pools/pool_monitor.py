@@ -26,7 +26,7 @@ from ray.serve.context import _get_global_client
 from ray.serve.handle import DeploymentHandle
 
 from engine.outputs import EngineStats
-from policies.latency import InFlightSequence, PoolState, StepCost
+from policies.pool_state import InFlightSequence, PoolState, StepCost
 from policies.router_choice import ServedStudent
 from serving.config import PoolConfig
 from serving.pools.calls import within

@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from cli.main import main
-from serving.config import ApiKeyConfig, BatchJobsConfig, GatewayConfig
+from serving.config import BatchJobsConfig
+from serving.gateway_config import ApiKeyConfig, GatewayConfig
 from testing.fakes import FakeEngine
 from testing.local_cluster import kill_replica
 from testing.serve_harness import fake_config, serving

@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serving.config import ApiKeyConfig, GatewayConfig, RequestLimits
+from serving.config import RequestLimits
+from serving.gateway_config import ApiKeyConfig, GatewayConfig
 from serving.http.gateway import Gateway
 from testing.fakes import FAIL_MARKER, FakeEngine
 from testing.local_cluster import (

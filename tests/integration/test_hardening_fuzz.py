@@ -15,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serving.config import ApiKeyConfig, GatewayConfig, RequestLimits
+from serving.config import RequestLimits
+from serving.gateway_config import ApiKeyConfig, GatewayConfig
 from testing.fakes import FakeEngine
 from testing.serve_harness import fake_config, serving
 

@@ -15,7 +15,7 @@ import pytest
 from ray import serve
 
 from serving.app_config import TierserveConfig, load_config
-from serving.config import ApiKeyConfig, GatewayConfig
+from serving.gateway_config import ApiKeyConfig, GatewayConfig
 from serving.pools.pool_monitor import serve_running_replicas
 from testing.fakes import FakeEngine
 from testing.serve_harness import metric, serving, wait_for_metric

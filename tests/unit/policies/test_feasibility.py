@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.outputs import EngineStats
 from engine.step_cost import StepCostFit
 from policies.feasibility import TYPICAL_PROMPT_TOKENS, check_tier, idle_latency_ms
-from policies.latency import PoolState, StepCost
+from policies.pool_state import PoolState, StepCost
 from policies.tiers import Tier
 from serving.config import PoolConfig
 from serving.pools.pool_monitor import PoolMonitor

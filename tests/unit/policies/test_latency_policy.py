@@ -9,15 +9,9 @@ from dataclasses import replace
 import pytest
 
 from engine.grammar import mask_cost_s
-from policies.latency import (
-    InFlightSequence,
-    PoolState,
-    StepCost,
-    drain_s,
-    predict,
-    step_in_progress_s,
-)
+from policies.latency import drain_s, predict, step_in_progress_s
 from policies.placement import RequestShape, place
+from policies.pool_state import InFlightSequence, PoolState, StepCost
 from policies.tiers import Tier
 
 COST = StepCost(base_s=0.010, per_seq_s=0.001, per_token_s=0.0005)

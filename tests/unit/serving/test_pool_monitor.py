@@ -13,7 +13,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
-from policies.latency import PoolState
+from policies.pool_state import PoolState
 from serving.config import PoolConfig
 from serving.pools.pool_monitor import (
     TYPICAL_OUTPUT_TOKENS,

@@ -14,7 +14,8 @@ from engine.outputs import FirstTokenTimes, RequestOutput
 from policies.latency import Prediction
 from policies.placement import Placement
 from policies.tiers import Tier
-from serving.config import CallerPolicy, PoolConfig
+from serving.config import PoolConfig
+from serving.gateway_config import CallerPolicy
 from serving.http.errors import ApiError, payload_too_large, too_many_requests
 from serving.http.routes import Call
 from serving.http.streaming import SequenceProgress
