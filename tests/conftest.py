@@ -37,10 +37,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 class LayerScheduling(LoadScopeScheduling):
-    """pytest-xdist's work units for `make test`'s two workers: the integration tests are
-    one unit, so one worker runs them in their usual order on the one Ray cluster they
-    share; every unit test is a unit of its own, for the other worker (and this one, once
-    its unit is done). Unit tests' torch uses one thread, so two workers use both cores."""
+    """pytest-xdist's work units for any `-n` run: every unit test is a unit of its own,
+    so two workers share the unit tests evenly (their torch uses one thread each, so two
+    workers use both cores); the integration tests, where a run includes them, are one
+    unit, so one worker runs them in their usual order on the one Ray cluster they share.
+    `make test` runs the integration tests in a process of their own all the same."""
 
     def _split_scope(self, nodeid: str) -> str:
         return "integration" if nodeid.startswith("tests/integration/") else nodeid
