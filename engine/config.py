@@ -193,6 +193,12 @@ class EngineConfig:
             raise ValueError("prefill_step_limit_ms must be > 0 (or null: no limit)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be >= 2")
+        if self.stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
+        self._check_cpu_share()
+        self._check_tensor_parallel()
+
+    def _check_cpu_share(self) -> None:
         if self.cpu_priority not in CPU_PRIORITIES:
             raise ValueError(
                 f"cpu_priority must be one of {list(CPU_PRIORITIES)}, got {self.cpu_priority!r}"
@@ -202,9 +208,6 @@ class EngineConfig:
                 f"cpu_priority {self.cpu_priority!r} applies to the engine's child process: "
                 "set separate_process: true (the replica's own process keeps Ray's priority)"
             )
-        if self.stall_timeout_s <= 0:
-            raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
-        self._check_tensor_parallel()
         alone = self.num_threads_alone
         if alone is not None and (self.num_threads is None or alone < self.num_threads):
             raise ValueError(

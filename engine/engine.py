@@ -49,14 +49,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model, self.tokenizer = prepare_model(config)
-        self.ranks = _worker_ranks(config, self.model)
-        """Tensor parallelism's other ranks (None with tensor_parallel_size 1); this
-        process is rank 0 and holds its own slice in `model`."""
-        if self.ranks is not None:
-            self.model = shard_model(
-                self.model, config.tensor_parallel_size, 0, self.ranks.all_reduce
-            )
+        model, self.tokenizer = prepare_model(config)
+        self.model, self.ranks = _split_over_ranks(config, model)
         args = self.model.args
         self.max_model_len = min(
             config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
@@ -318,12 +312,16 @@ def _grammar_state(grammars: GrammarCompiler, params: SamplingParams) -> Grammar
         raise ValueError(f"the grammar ({params.grammar.kind}) cannot be used: {error}") from None
 
 
-def _worker_ranks(config: EngineConfig, model: LlamaForCausalLM) -> WorkerRanks | None:
-    """Tensor parallelism's worker ranks, started once the model is known to split."""
+def _split_over_ranks(
+    config: EngineConfig, model: LlamaForCausalLM
+) -> tuple[LlamaForCausalLM, WorkerRanks | None]:
+    """Rank 0's slice of the model and tensor parallelism's worker ranks, started once the
+    model is known to split; with tensor_parallel_size 1 the whole model and no ranks."""
     if config.tensor_parallel_size == 1:
-        return None
+        return model, None
     check_shardable(model, config.tensor_parallel_size)
-    return WorkerRanks(config, model.args.hidden_size)
+    ranks = WorkerRanks(config, model.args.hidden_size)
+    return shard_model(model, config.tensor_parallel_size, 0, ranks.all_reduce), ranks
 
 
 def _speculator(config: EngineConfig, num_blocks: int) -> Speculator | None:

@@ -29,19 +29,8 @@ DRAIN_POLL_S = 0.2
 
 
 def build_app(config: TierserveConfig, engine_cls: EngineFactory | None = None) -> Application:
-    """The whole graph; `engine_cls` swaps the engine (tests pass a fake).
-
-    Every deployment drains for `graceful_shutdown_timeout_s` when Serve stops
-    or replaces it (Serve's own default of 20 s would cut batch-tier requests).
-    Serve has no per-deployment request timeout: the ingress enforces the
-    tiers' deadlines and `request_timeout_s` itself. A stopping replica looks for
-    requests still running every DRAIN_POLL_S, and stops at the first look that
-    finds none (Serve's 2 s took each idle replica 2-3 s to stop).
-    """
-    shutdown = {
-        "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
-        "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
-    }
+    """The whole graph; `engine_cls` swaps the engine (tests pass a fake)."""
+    shutdown = _shutdown_options(config)
     # Serve's decorator is not typed for classes: mypy still sees the plain class.
     pools = {
         p.name: Pool.options(**_pool_options(p), **shutdown).bind(  # type: ignore[attr-defined]
@@ -69,6 +58,19 @@ def build_app(config: TierserveConfig, engine_cls: EngineFactory | None = None) 
             **shutdown,
         ).bind(config.batch_jobs, config.limits.max_json_depth)
     return ingress.bind(config, pools, runner, _difficulty_model(config))
+
+
+def _shutdown_options(config: TierserveConfig) -> dict[str, float]:
+    """How every deployment stops. It drains for `graceful_shutdown_timeout_s` when Serve
+    stops or replaces it (Serve's own default of 20 s would cut batch-tier requests).
+    Serve has no per-deployment request timeout: the ingress enforces the tiers'
+    deadlines and `request_timeout_s` itself. A stopping replica looks for requests
+    still running every DRAIN_POLL_S and stops at the first look that finds none
+    (Serve's 2 s took each idle replica 2-3 s to stop)."""
+    return {
+        "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
+    }
 
 
 def app_builder(args: dict[str, Any]) -> Application:

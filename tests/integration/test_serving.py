@@ -121,6 +121,19 @@ def test_context_length_exceeded_names_the_real_token_counts(real_app_url: str, 
         assert str(number) in error["message"]
 
 
+def _served_beside(client: openai.OpenAI, tier: str, i: int) -> bool:
+    """One request beside the seeded one; False if the tier turned it away."""
+    question = [{"role": "user", "content": f"Count to {i + 3} in words, then explain. " * i}]
+    try:
+        client.chat.completions.create(
+            model=MODEL, messages=question, temperature=1.0, max_tokens=12,
+            extra_headers={"X-SLA-Tier": tier},
+        )  # fmt: skip
+    except openai.RateLimitError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("tier", ["interactive", "batch"])
 def test_a_seeded_request_gives_the_same_text_cold_warm_and_in_a_busy_batch(
     real_client: openai.OpenAI, tier: str
@@ -139,17 +152,6 @@ def test_a_seeded_request_gives_the_same_text_cold_warm_and_in_a_busy_batch(
         )
         return completion.choices[0].message.content
 
-    def other(i: int) -> bool:
-        """One request beside the seeded one; False if the tier turned it away."""
-        question = [{"role": "user", "content": f"Count to {i + 3} in words, then explain. " * i}]
-        try:
-            real_client.chat.completions.create(
-                model=MODEL, messages=question, temperature=1.0, max_tokens=12, **extra
-            )
-        except openai.RateLimitError:
-            return False
-        return True
-
     texts = [seeded(), seeded()]
     num_served_beside = 0
     with ThreadPoolExecutor(4) as pool:
@@ -158,7 +160,7 @@ def test_a_seeded_request_gives_the_same_text_cold_warm_and_in_a_busy_batch(
             # not turn it away; the others join its batch while it decodes.
             run = pool.submit(seeded)
             time.sleep(0.2)
-            busy = [pool.submit(other, i) for i in range(1, 4)]
+            busy = [pool.submit(_served_beside, real_client, tier, i) for i in range(1, 4)]
             texts.append(run.result())
             num_served_beside += sum(future.result() for future in busy)
     assert texts == [texts[0]] * 5
