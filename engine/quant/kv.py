@@ -31,11 +31,12 @@ top-1 agreement with the fp32 cache from 0.984 to 0.993 and its perplexity chang
 its perplexity change +0.04% to +0.3%. In bf16 that is all the figure can show: the
 bf16 cache read through torch's attention instead of the C kernel agrees with itself no
 better (bench/engine/bench_memory.py's floor: 0.983 against int8's 0.981, 64 prompts).
-Rotating the queries and outputs in fp32 instead of bf16 did not move it (0.982). In torch ops the rotation cost long-context
-decode a fifth of attention (15 of 72 ms a step, 16 sequences x 2,000 tokens); the C
-kernel does it in one call per tensor (engine/kernels/hadamard.c). e4m3 codes
-are not rotated: their steps grow with the value, so an outlier costs the rest little,
-and rotated they lost (0.970 to 0.967, +0.2% to +0.6%).
+Rotating the queries and outputs in fp32 instead of bf16 did not move it (0.982).
+In torch ops the rotation cost long-context decode a fifth of attention (15 of 72 ms
+a step, 16 sequences x 2,000 tokens); the C kernel does it in one call per tensor
+(engine/kernels/hadamard.c). e4m3 codes are not rotated: their steps grow with the
+value, so an outlier costs the rest little, and rotated they lost (0.970 to 0.967,
++0.2% to +0.6%).
 """
 
 from __future__ import annotations
