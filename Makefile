@@ -28,14 +28,15 @@ distill: install
 generate: install
 	$(PY) -m engine.generate --prompt "$(or $(PROMPT),What is the capital of France?)"
 
-# The unit tests on two workers, then the integration tests in one process: the
-# integration tests keep both cores busy most of the time, and a unit worker beside them
-# fired their Ray timeouts (two workers over both layers: no shorter, 32 min); unit
-# tests in a nice-19 autogroup beside them ran 29% in 9 min, with Ray killing replicas
-# for memory (each unit worker holds 6-8 GB of engines).
+# The unit tests on two workers, then the integration tests in one process, whatever the
+# unit tests gave (the target fails if either failed). The integration tests keep both
+# cores busy most of the time: a unit worker beside them fired their Ray timeouts (two
+# workers over both layers: no shorter, 32 min), and unit tests in a nice-19 autogroup
+# beside them ran 29% in 9 min while Ray killed replicas for memory (a unit worker
+# holds 6-8 GB of engines).
 test: install
-	$(PY) -m pytest tests/unit -n 2 --durations=15
-	$(PY) -m pytest tests/integration --durations=25
+	$(PY) -m pytest tests/unit -n 2 --durations=15; unit=$$?; \
+	$(PY) -m pytest tests/integration --durations=25 && exit $$unit
 
 # One layer at a time, no Ray cluster, no subprocess: the loop while editing (< 3 min).
 test-fast: install
