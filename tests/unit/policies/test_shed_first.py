@@ -3,9 +3,8 @@ requests on its pools are refused too, for as long as the interactive Retry-Afte
 
 from __future__ import annotations
 
-from test_latency_policy import BATCH, INTERACTIVE, STANDARD, decoding, pool
-
 from policies.placement import Placement, RequestShape, ShedFirst, place
+from testing.synthetic_pools import BATCH, INTERACTIVE, STANDARD, decoding, pool
 
 
 def interactive_refusal(retry_after_s: int) -> Placement:
