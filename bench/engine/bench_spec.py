@@ -107,7 +107,8 @@ def instrument(engine: LLMEngine) -> Timings:
         return f"forward_q{q_len}" if q_len <= 16 else "forward_prefill"
 
     engine.runner.forward = timings.wrap(engine.runner.forward, forward_name)
-    engine.runner.sample = timings.wrap(engine.runner.sample, lambda *_: "sample_and_verify")
+    sampler = engine.runner.sampler
+    sampler.sample = timings.wrap(sampler.sample, lambda *_: "sample_and_verify")
     engine.step = timings.wrap(engine.step, lambda: "step")
     if engine.speculator is not None:
         spec = engine.speculator

@@ -1,11 +1,10 @@
-"""All the tensors of a step: the KV cache, the packed batch, the forward pass, sampling.
+"""All the tensors of a step: the KV cache, the packed batch, the forward pass.
 
 The scheduler says which requests compute how many tokens; the runner packs
 those tokens into one row, runs the model once, takes logits only where a
 request has caught up with its tokens (the positions that produce new ones),
-and turns them into tokens: one batched draw for plain rows, an exact
-verification for each request with drafts. Row offsets live here and
-nowhere else.
+and has its StepSampler turn them into tokens (engine/model/step_sampler.py),
+each request's rows counted for it. Row offsets are laid out here and nowhere else.
 """
 
 from __future__ import annotations
@@ -23,13 +22,13 @@ from engine.model.attention import AttentionMetadata, kernel_serves
 from engine.model.batch_invariance import make_batch_invariant
 from engine.model.llama import LayerKV, LlamaForCausalLM
 from engine.model.packed_linear import can_pack, pack_linears
-from engine.outputs import RunnerOutput, TokenLogprob
+from engine.model.step_sampler import StepSampler, guarded
+from engine.outputs import RunnerOutput
 from engine.pooling import PooledStates
 from engine.quant import kv as kv_quant
 from engine.request import Request
-from engine.sampler import SampleRow, sample, token_logprobs, verify
+from engine.sampler import token_logprobs
 from engine.scheduler import SchedulerOutput
-from engine.spec_decode import Proposal
 
 log = logging.getLogger(__name__)
 
@@ -102,18 +101,17 @@ class ModelRunner:
             config.max_num_batched_tokens
         )
         self.kv_caches = self._allocate_kv_cache(num_blocks, config.kv_cache_dtype)
-        self.grammars: dict[Request, GrammarState] = {}
-        """The matcher of each live constrained request (the engine adds and releases)."""
+        self.sampler = StepSampler()
         self.pooled = PooledStates()
         """Embedding requests' hidden states summed so far (engine/pooling.py)."""
 
     def constrain(self, request: Request, grammar: GrammarState) -> None:
         """Draw `request`'s tokens among those `grammar` allows, from its first on."""
-        self.grammars[request] = grammar
+        self.sampler.grammars[request] = grammar
 
     def release(self, request: Request) -> None:
         """Forget a finished request's matcher or pooled states (a no-op for others)."""
-        self.grammars.pop(request, None)
+        self.sampler.grammars.pop(request, None)
         self.pooled.release(request)
 
     def _make_batch_invariant(self, max_rows: int) -> bool:
@@ -145,11 +143,14 @@ class ModelRunner:
         hidden = self.forward(batch)
         out = RunnerOutput()
         if batch.sampling_requests:
-            out = self.sample(batch, self._logits(hidden[batch.logits_index]), scheduled.drafts)
+            logits = self._logits(hidden[batch.logits_index])
+            out = self.sampler.sample(
+                batch.sampling_requests, batch.num_logits_rows, logits, scheduled.drafts
+            )
         for span in batch.prompt_spans:
-            _guarded(span.request, out, self._score_prompt, span, hidden, out)
+            guarded(span.request, out, self._score_prompt, span, hidden, out)
         for span in batch.pool_spans:
-            _guarded(span.request, out, _pool, self.pooled, span, hidden, out)
+            guarded(span.request, out, _pool, self.pooled, span, hidden, out)
         return out
 
     def prepare(self, num_new_tokens: dict[Request, int]) -> StepBatch:
@@ -228,66 +229,6 @@ class ModelRunner:
             token_logprobs(self._logits(rows), targets, num_top),
         )
 
-    def sample(
-        self, batch: StepBatch, logits: torch.Tensor, drafts: dict[Request, Proposal]
-    ) -> RunnerOutput:
-        """One batched draw for the requests without drafts, a verification for each with.
-
-        A request whose own sampling raises is reported in `failed`; the others keep
-        their tokens.
-        """
-        requests = batch.sampling_requests
-        first_row = torch.tensor([0, *batch.num_logits_rows[:-1]]).cumsum(0).tolist()
-        plain = [i for i, request in enumerate(requests) if request not in drafts]
-        plain_logits = (
-            logits if len(plain) == len(logits) else logits[[first_row[i] for i in plain]]
-        )
-        out = RunnerOutput()
-        self._sample_plain([requests[i] for i in plain], plain_logits, out)
-        for i, request in enumerate(requests):
-            if request in drafts:
-                own_rows = logits[first_row[i] : first_row[i] + batch.num_logits_rows[i]]
-                _guarded(request, out, self._verify, request, own_rows, drafts[request], out)
-        return out
-
-    def _sample_plain(
-        self, requests: list[Request], logits: torch.Tensor, out: RunnerOutput
-    ) -> None:
-        """Draw all rows at once; if that raises, row by row, so only the culprit fails."""
-        if not requests:
-            return
-        try:
-            _record(requests, *sample(logits, [self._sample_row(r) for r in requests]), out)
-        except Exception:  # noqa: BLE001 - isolated below, row by row
-            for i, request in enumerate(requests):
-                _guarded(request, out, self._sample_one, request, logits[i : i + 1], out)
-
-    def _sample_one(self, request: Request, logits: torch.Tensor, out: RunnerOutput) -> None:
-        _record([request], *sample(logits, [self._sample_row(request)]), out)
-
-    def _verify(
-        self, request: Request, logits: torch.Tensor, draft: Proposal, out: RunnerOutput
-    ) -> None:
-        token_ids, logprobs = verify(logits, self._sample_row(request), draft.token_ids)
-        out.sampled_token_ids[request] = token_ids
-        if request.params.logprobs is not None:
-            out.logprobs[request] = logprobs
-
-    def _sample_row(self, request: Request) -> SampleRow:
-        """What the sampler reads of a request; token lists only for a penalty that counts them."""
-        params = request.params
-        return SampleRow(
-            params=params,
-            seed=request.sampling_seed,
-            seen_token_ids=request.token_ids if params.repetition_penalty != 1.0 else [],
-            output_token_ids=request.output_token_ids if params.reads_output else [],
-            num_output_tokens=request.num_output_tokens,
-            banned_until_min_tokens=(
-                tuple(request.eos_token_ids) + params.stop_token_ids if params.min_tokens else ()
-            ),
-            grammar=self.grammars.get(request),
-        )
-
 
 def kv_blocks_for_memory(model: LlamaForCausalLM, config: EngineConfig) -> int:
     """KV blocks that `config.kv_cache_memory_gb` holds, in its kv_cache_dtype with the
@@ -297,29 +238,6 @@ def kv_blocks_for_memory(model: LlamaForCausalLM, config: EngineConfig) -> int:
     row = kv_quant.row_bytes(args.head_dim, storage)
     per_block = 2 * args.num_layers * config.block_size * args.num_kv_heads * row
     return max(2, int(config.kv_cache_memory_gb * 2**30) // per_block)
-
-
-def _record(
-    requests: list[Request],
-    token_ids: list[int],
-    logprobs: list[TokenLogprob | None],
-    out: RunnerOutput,
-) -> None:
-    """One draw's tokens (and logprobs, when asked) into the step's output."""
-    for request, token_id, logprob in zip(requests, token_ids, logprobs, strict=True):
-        out.sampled_token_ids[request] = [token_id]
-        if logprob is not None:
-            out.logprobs[request] = [logprob]
-
-
-def _guarded(request: Request, out: RunnerOutput, work: Callable[..., None], *args: object) -> None:
-    """Run one request's sampling, `work(*args)`; an exception fails that request alone."""
-    try:
-        work(*args)
-    except Exception as exc:  # noqa: BLE001 - any per-request failure must not stop the batch
-        log.exception("sampling failed for request %s", request.request_id)
-        out.failed[request] = f"sampling failed: {exc!r}"
-        out.sampled_token_ids.pop(request, None)
 
 
 def _pool(pooled: PooledStates, span: PromptSpan, hidden: torch.Tensor, out: RunnerOutput) -> None:
