@@ -294,6 +294,15 @@ class IngressConfig(StrictModel):
         """The pool called `name`; KeyError naming the pools there are."""
         return _named("pool", self.pools, name)
 
+    def with_slos_scaled(self, factor: float) -> Self:
+        """A copy whose tiers' TTFT and TPOT targets are multiplied by `factor`: SLOs set on
+        one machine, scaled to a slower one (bench_sla, the real-model test apps)."""
+        tiers = tuple(
+            t.model_copy(update={"ttft_ms": t.ttft_ms * factor, "tpot_ms": t.tpot_ms * factor})
+            for t in self.tiers
+        )
+        return self.with_changes(tiers=tiers)
+
     def with_changes(self, **changes: object) -> Self:
         """A copy with `changes`, validated again. pydantic's `model_copy(update=...)` skips
         validation: bench_sla's shared-pool copy kept `small_model.pool` naming a pool it had

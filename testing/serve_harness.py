@@ -50,23 +50,12 @@ request to whichever pool's prediction meets the SLO, at times the offline one, 
 tests that expect an idle pool to serve its own tier failed in one full run of three."""
 
 
-def _test_slos(base: TierserveConfig) -> dict[str, Any]:
-    """The update that scales `base`'s tiers' targets by TEST_SLO_SCALE."""
-    tiers = tuple(
-        t.model_copy(
-            update={"ttft_ms": t.ttft_ms * TEST_SLO_SCALE, "tpot_ms": t.tpot_ms * TEST_SLO_SCALE}
-        )  # fmt: skip
-        for t in base.tiers
-    )
-    return {"tiers": tiers}
-
-
 def real_engine_config(batch_dir: Path) -> TierserveConfig:
     """configs/local.yaml (speculation on the interactive pool), with small exact engines on
     the default model: unquantized, so both pools give the same greedy text
     (tests/unit/engine/test_quant_loader.py covers the quantized load path); SLOs those
     engines meet (TEST_SLO_SCALE); batch jobs kept in `batch_dir`."""
-    base = load_config(REPO_ROOT / "configs" / "local.yaml")
+    base = load_config(REPO_ROOT / "configs" / "local.yaml").with_slos_scaled(TEST_SLO_SCALE)
     small = {
         "dtype": "float32", "num_kv_blocks": 64, "max_model_len": REAL_MAX_MODEL_LEN, "quant": None
     }  # fmt: skip
@@ -75,10 +64,8 @@ def real_engine_config(batch_dir: Path) -> TierserveConfig:
     )
     jobs = base.batch_jobs.model_copy(update={"data_dir": str(batch_dir), "retry_delay_s": 0.1})
     return base.model_copy(
-        update={
-            "pools": pools, "stats_poll_interval_s": 0.1, "batch_jobs": jobs, **_test_slos(base)
-        }
-    )  # fmt: skip
+        update={"pools": pools, "stats_poll_interval_s": 0.1, "batch_jobs": jobs}
+    )
 
 
 def exact_config(max_model_len: int = 1024, **updates: Any) -> TierserveConfig:
@@ -86,7 +73,7 @@ def exact_config(max_model_len: int = 1024, **updates: Any) -> TierserveConfig:
     KV blocks, no speculation) and SLOs they meet (TEST_SLO_SCALE), without the small pool
     (no student is distilled in tests), stats polled every 0.1 s, and `updates` applied to
     the top-level fields."""
-    base = load_config(REPO_ROOT / "configs" / "local.yaml")
+    base = load_config(REPO_ROOT / "configs" / "local.yaml").with_slos_scaled(TEST_SLO_SCALE)
     small = {"dtype": "float32", "num_kv_blocks": 64, "max_model_len": max_model_len,
              "quant": None, "spec_decode": None}  # fmt: skip
     pools = tuple(
@@ -94,8 +81,7 @@ def exact_config(max_model_len: int = 1024, **updates: Any) -> TierserveConfig:
         for pool in base.pools
         if base.small_model is None or pool.name != base.small_model.pool
     )
-    changes = {"pools": pools, "small_model": None, "stats_poll_interval_s": 0.1,
-               **_test_slos(base), **updates}  # fmt: skip
+    changes = {"pools": pools, "small_model": None, "stats_poll_interval_s": 0.1, **updates}
     return base.with_changes(**changes)
 
 

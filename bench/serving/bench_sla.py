@@ -68,7 +68,6 @@ from bench.serving.sla_report import report
 from engine.model.chat import chat_prompt_ids
 from engine.process import configure_process
 from engine.sampling_params import SamplingParams
-from policies.tiers import Tier
 from serving.app_config import TierserveConfig, load_config
 from serving.cache.config import SemanticCacheConfig
 from testing.local_cluster import serving
@@ -144,16 +143,8 @@ async def offered_load(client: Client, rate: float, seconds: float, seed: int) -
 def deployments(config: TierserveConfig, factor: float) -> dict[str, TierserveConfig]:
     """The two deployments compared, by name: tierserve as configured and one shared pool,
     both with the SLOs scaled by `factor` (tests build both, so neither breaks unseen)."""
-    scaled = config.with_changes(tiers=scaled_tiers(config, factor))
+    scaled = config.with_slos_scaled(factor)
     return {"tierserve": scaled, "shared pool": shared_config(scaled)}
-
-
-def scaled_tiers(config: TierserveConfig, factor: float) -> tuple[Tier, ...]:
-    """The configured tiers with TTFT and TPOT targets multiplied by `factor`."""
-    return tuple(
-        t.model_copy(update={"ttft_ms": t.ttft_ms * factor, "tpot_ms": t.tpot_ms * factor})
-        for t in config.tiers
-    )
 
 
 def shared_config(config: TierserveConfig) -> TierserveConfig:
