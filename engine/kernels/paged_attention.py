@@ -92,6 +92,8 @@ def query_bounds(visible: torch.Tensor, num_threads: int) -> torch.Tensor:
     a thread."""
     num_queries = visible.shape[0]
     parts = max(1, num_threads) if num_queries >= PARALLEL_MIN_QUERIES else 1
+    if parts == 1:
+        return torch.tensor([0, num_queries])
     work = visible.cumsum(0)
     shares = work[-1] * torch.arange(1, parts) / parts
     inner = torch.searchsorted(work, shares)

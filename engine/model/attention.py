@@ -179,16 +179,19 @@ class AttentionMetadata:
         the same way whatever the chunk (engine.model.batch_invariance)."""
         starts = torch.cumsum(torch.tensor([0] + q_lens[:-1]), 0).tolist()
         seqs = [_Seq(*fields) for fields in zip(q_lens, kv_lens, block_tables, starts, strict=True)]
-        positions = [torch.arange(s.kv_len - s.q_len, s.kv_len) for s in seqs]
+        # Plain ints, one tensor each at the end: a small tensor per sequence cost 0.26 ms
+        # of a 16-sequence decode step's 25 ms.
+        positions = [p for s in seqs for p in range(s.kv_len - s.q_len, s.kv_len)]
         slots = [
-            torch.tensor(s.block_table)[pos // block_size] * block_size + pos % block_size
-            for s, pos in zip(seqs, positions, strict=True)
+            s.block_table[p // block_size] * block_size + p % block_size
+            for s in seqs
+            for p in range(s.kv_len - s.q_len, s.kv_len)
         ]
         layout = StepLayout(seqs, block_size, device, dtype)
         in_place = native_kernel and kernel_serves(device, dtype)
         return cls(
-            positions=torch.cat(positions).to(device),
-            slot_mapping=torch.cat(slots).to(device),
+            positions=torch.tensor(positions, device=device),
+            slot_mapping=torch.tensor(slots, device=device),
             groups=layout.groups(in_place, all_in_kernel),
             layout=layout,
         )
@@ -270,18 +273,15 @@ def _mask(
 
 def _kernel_group(seqs: list[_Seq], block_size: int, whole_batch: bool) -> KernelGroup:
     """The kernel's view of `seqs`; `whole_batch`: they are every sequence of the step."""
-    q_lens = torch.tensor([s.q_len for s in seqs])
-    query_seq = torch.arange(len(seqs)).repeat_interleave(q_lens)
     # Query j of a sequence with q_len new tokens sees all but its last q_len - 1 - j.
-    offsets = torch.cat([torch.arange(s.q_len) for s in seqs])
-    first_visible = torch.tensor([s.kv_len - s.q_len + 1 for s in seqs]).repeat_interleave(q_lens)
+    # Plain ints, one tensor each: a small tensor per sequence costs more than the lists.
+    visible = torch.tensor([s.kv_len - s.q_len + 1 + j for s in seqs for j in range(s.q_len)])
     max_blocks = -(-max(s.kv_len for s in seqs) // block_size)
-    visible = first_visible + offsets
-    rows = None if whole_batch else [torch.arange(s.start, s.start + s.q_len) for s in seqs]
+    rows = None if whole_batch else [s.start + j for s in seqs for j in range(s.q_len)]
     return KernelGroup(
-        token_index=None if rows is None else torch.cat(rows),
+        token_index=None if rows is None else torch.tensor(rows),
         block_tables=_pad_tables([s.block_table for s in seqs], max_blocks),
-        query_seq=query_seq,
+        query_seq=torch.tensor([b for b, s in enumerate(seqs) for _ in range(s.q_len)]),
         visible=visible,
         block_size=block_size,
         thread_bounds=kernels.query_bounds(visible, torch.get_num_threads()),
