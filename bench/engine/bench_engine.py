@@ -10,7 +10,7 @@ prompts of 100-500 tokens drawn with a fixed seed. The baselines are rates
 the run short; the subset size is printed. Then where a decode step's time
 goes with every request running (bench/engine/step_profile.py; `share.decode.c<n>.*`,
 with `outside_matmul_attention` the norms, activations, residuals, step
-preparation and sampling), batch-1 decode speed, and TTFT of 16 requests
+preparation and sampling; `hook_cost` is what the profiler's own hooks added, left out), batch-1 decode speed, and TTFT of 16 requests
 sharing a 1,000-token system prompt with and without prefix caching.
 """
 
@@ -124,14 +124,14 @@ def mean_ttft_ms(engine: LLMEngine, prompts: list[list[int]]) -> float:
 
 def report_decode_profile(engine: LLMEngine, prompts: list[list[int]], common: dict) -> None:
     """Each part's share of decode steps with every prompt running (prefill done first)."""
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     request_ids = {f"profiled-{i}" for i in range(len(prompts))}
     for i, prompt in enumerate(prompts):
         engine.add_request(f"profiled-{i}", prompt, params)
     step_until_decoding(engine, request_ids)
-    shares = profile_steps(engine)
+    shares = profile_steps(engine, every_other=True)
     name = f"share.decode.c{len(prompts)}"
-    for part in PARTS:
+    for part in (*PARTS, "hook_cost"):
         emit("engine", f"{name}.{part}", shares[part], "x", **common)
     outside = shares["other_model"] + shares["outside_model"]
     emit("engine", f"{name}.outside_matmul_attention", outside, "x", **common)
