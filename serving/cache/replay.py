@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from serving.http.accepted import AcceptedRequest
 from serving.http.schemas import responses as s
@@ -25,8 +25,10 @@ def replay_response(accepted: AcceptedRequest, headers: dict[str, str]) -> Respo
     replayed = replayed_answer(answer, accepted.request_id, len(accepted.prompts[0]))
     if not accepted.body.stream:
         return JSONResponse(replayed, headers=headers)
-    events = replayed_events(replayed, accepted.body.include_usage_chunk)
-    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    # The whole answer is known: one body, not a chunk per event, so it crosses the
+    # proxy in one message and no worker thread iterates it.
+    events = "".join(replayed_events(replayed, accepted.body.include_usage_chunk))
+    return Response(events, media_type="text/event-stream", headers=headers)
 
 
 def replayed_answer(answer: dict[str, Any], response_id: str, num_prompt_tokens: int) -> dict:
