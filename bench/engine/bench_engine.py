@@ -10,8 +10,9 @@ prompts of 100-500 tokens drawn with a fixed seed. The baselines are rates
 the run short; the subset size is printed. Then where a decode step's time
 goes with every request running (bench/engine/step_profile.py; `share.decode.c<n>.*`,
 with `outside_matmul_attention` the norms, activations, residuals, step
-preparation and sampling; `hook_cost` is what the profiler's own hooks added, left out), batch-1 decode speed, and TTFT of 16 requests
-sharing a 1,000-token system prompt with and without prefix caching.
+preparation and sampling; `hook_cost` is what the profiler's own hooks added, left
+out), batch-1 decode speed, and TTFT of 16 requests sharing a 1,000-token system
+prompt with and without prefix caching.
 """
 
 from __future__ import annotations

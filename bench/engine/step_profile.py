@@ -7,9 +7,9 @@ the step itself is timed around `LLMEngine.step`. Hooks cost microseconds per
 call: nothing beside a prefill step of hundreds of milliseconds, but a decode step of
 16 sequences (25 ms here) calls 152 hooked modules and took about 4% longer hooked.
 That time falls between the timed modules, in `other_model`. So decode steps, alike
-from one to the next, alternate hooked and unhooked, and the difference of their mean times (neighbouring steps cost
-nearly the same; whole runs of the same steps differed by up to 7% here) is the hooks'
-cost, taken out of `other_model` (`without_hook_cost`).
+from one to the next, alternate hooked and unhooked, and the difference of their mean
+times is the hooks' cost, taken out of `other_model` (`without_hook_cost`): whole runs
+of the same steps, one hooked and one not, differed by up to 7% here either way.
 """
 
 from __future__ import annotations
