@@ -15,6 +15,9 @@ held-out split of data/semantic_cache/pairs.jsonl:
   hit counted; then `..._paraphrase_hit_vs_miss` (second questions that hit: they are
   embedded) and `..._repeat_hit_vs_miss` (each first question asked again in other
   case, the same text once normalized: the embedding memo answers, no embedding call);
+- `ratio.ttft.refusal_floor_vs_miss`: a hit's floor, the whole answer of a request the
+  ingress refuses once it has read and parsed its body (an unknown model's 404), over a
+  miss's TTFT: Serve's proxy hop and the replica's fetch of the body cost every POST this;
 - `semantic_cache.miss_overhead_ms.p95`: what the cache's own work adds to a miss, in
   the ingress's process: key and text, the lookup in an index of the configured size
   (`max_entries` entries spread over keys), the store's bookkeeping, and the stored
@@ -134,11 +137,12 @@ async def _through_serve(base_url: str, pairs: dict[str, list[Pair]], settings: 
                 if header == "hit":
                     hits[kind] += 1
                     hit_ttft.append(ttft_s)
-        repeat_ttft = []
+        repeat_ttft, refused_s = [], []
         for first in dict.fromkeys(p.a for kind_pairs in pairs.values() for p in kind_pairs):
             header, ttft_s = await _ask(client, first.upper())  # the same text once normalized
             if header == "hit":
                 repeat_ttft.append(ttft_s)
+            refused_s.append(await _refused(client, first))
         deltas = []
         for i in range(settings.num_fresh_questions):
             question = f"In one word, what colour is fresh fruit number {i}?"
@@ -146,7 +150,19 @@ async def _through_serve(base_url: str, pairs: dict[str, list[Pair]], settings: 
             _, on_s = await _ask(client, question)
             deltas.append((on_s - off_s) * 1000)
     return {"miss_ttft": miss_ttft, "hit_ttft": hit_ttft, "hits": hits, "deltas": deltas,
-            "repeat_ttft": repeat_ttft}  # fmt: skip
+            "repeat_ttft": repeat_ttft, "refused_s": refused_s}  # fmt: skip
+
+
+async def _refused(client: httpx.AsyncClient, question: str) -> float:
+    """Seconds to the whole answer of a chat request the ingress refuses once it has read
+    and parsed the body (a model that does not exist): the least a POST costs through the
+    proxy here, a hit's floor."""
+    body = {"model": "no-such-model", "messages": [{"role": "user", "content": question}],
+            "stream": True}  # fmt: skip
+    start_s = time.perf_counter()
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 404, response.text
+    return time.perf_counter() - start_s
 
 
 def miss_overhead_ms(config: TierserveConfig, num_lookups: int) -> list[float]:
@@ -277,6 +293,11 @@ def _emit_ttft(measured: dict) -> None:
             emit(BENCH, metric, hit_s / miss_s, "ratio", hits=len(hit_ttft),
                  misses=len(miss_ttft), hit_ms=1000 * hit_s, miss_ms=1000 * miss_s,
                  target="<= 0.1")  # fmt: skip
+    if miss_ttft:
+        refused = measured["refused_s"]
+        floor_s, miss_s = statistics.median(refused), statistics.median(miss_ttft)
+        emit(BENCH, "ratio.ttft.refusal_floor_vs_miss", floor_s / miss_s, "ratio",
+             n=len(refused), floor_ms=1000 * floor_s, miss_ms=1000 * miss_s)  # fmt: skip
     emit(BENCH, "semantic_cache.miss_ttft_delta_ms.p50", statistics.median(measured["deltas"]),
          "ms", n=len(measured["deltas"]))  # fmt: skip
 
