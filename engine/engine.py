@@ -262,6 +262,7 @@ class LLMEngine:
             num_kv_blocks=self.kv.pool.num_blocks,
             kv_max_num_seqs=self.kv.num_seqs_fitting(self.max_model_len),
             kv_cache_dtype=self.config.kv_cache_dtype,
+            seeded_reproducible=self.runner.batch_invariant,
             step_cost=self.step_cost.coefficients(),
             **_spec_stats(self.speculator),
         )

@@ -131,6 +131,10 @@ class EngineStats:
     when every request may grow to the context limit (max_num_seqs caps it either way)."""
     kv_cache_dtype: str = "auto"
     """How K/V are stored (EngineConfig.kv_cache_dtype)."""
+    seeded_reproducible: bool = False
+    """The logits are batch-invariant (engine/model/batch_invariance.py), so a seeded request
+    gives the same text whatever shares its steps. Not where `batch_invariant` is off, where
+    no row count agrees for some layer, or where the paged kernel does not run (a GPU)."""
     step_cost: StepCostFit = StepCostFit()
     """Fitted step cost (engine/step_cost.py): a step takes base + per sequence in the
     batch + per token computed (a prefill chunk counts its length), in seconds."""

@@ -47,7 +47,7 @@ class ServiceRoutes:
 
     async def _list_models(self, request: Request, call: Call) -> Response:
         """The models requests may name (`auto`, which lets the router choose, is not one),
-        each with the pools serving it and their context lengths."""
+        each with the pools serving it, their context lengths and whether a seed reproduces."""
         names = [n for n in self.model_names if n != AUTO_MODEL]
         cards = [self._model_card(name) for name in names]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
@@ -58,12 +58,22 @@ class ServiceRoutes:
                 pool=pool.name,
                 model=pool.engine.model,
                 max_model_len=self.monitor.reported_max_model_len(pool.name),
+                seeded_reproducible=self._seeded_reproducible(pool.name),
             )
             for pool in self.pools
             if pool.model_name == name
         ]
         lengths = [p.max_model_len for p in pools if p.max_model_len is not None]
-        return ModelCard(id=name, created=0, max_model_len=max(lengths, default=None), pools=pools)
+        reproducible = [p.seeded_reproducible for p in pools]
+        return ModelCard(
+            id=name, created=0, max_model_len=max(lengths, default=None),
+            seeded_reproducible=None if None in reproducible else all(reproducible), pools=pools,
+        )  # fmt: skip
+
+    def _seeded_reproducible(self, pool: str) -> bool | None:
+        """Whether every live replica of `pool` is batch-invariant (None: none reported)."""
+        stats = self.monitor.replica_stats(pool)
+        return all(s.seeded_reproducible for s in stats) if stats else None
 
     async def _health(self, request: Request, call: Call) -> Response:
         """503 while some pool has no live replica, so a load balancer routes elsewhere; a

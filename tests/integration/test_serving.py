@@ -134,6 +134,17 @@ def _served_beside(client: openai.OpenAI, tier: str, i: int) -> bool:
     return True
 
 
+def test_models_say_a_seed_reproduces_on_each_pool_of_the_model(real_app_url: str) -> None:
+    """This CPU's engines are batch-invariant (the test below holds them to it): /v1/models
+    says so for the model and for each pool serving it."""
+    listed = httpx.get(f"{real_app_url}/v1/models", timeout=30).json()["data"]
+    (card,) = [c for c in listed if c["id"] == MODEL]
+    assert card["seeded_reproducible"] is True
+    assert {p["pool"]: p["seeded_reproducible"] for p in card["pools"]} == {
+        "interactive": True, "offline": True,
+    }  # fmt: skip
+
+
 @pytest.mark.parametrize("tier", ["interactive", "batch"])
 def test_a_seeded_request_gives_the_same_text_cold_warm_and_in_a_busy_batch(
     real_client: openai.OpenAI, tier: str

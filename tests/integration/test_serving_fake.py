@@ -289,9 +289,11 @@ def test_models_health_and_metrics(base_url: str, client: openai.OpenAI) -> None
     for card in listed.json()["data"]:  # each model with the pools serving it, as configured
         pools = [p for p in _config().pools if p.model_name == card["id"]]
         assert card["pools"] == [
-            {"pool": p.name, "model": p.engine.model, "max_model_len": 4096} for p in pools
-        ]
-        assert card["max_model_len"] == 4096
+            {"pool": p.name, "model": p.engine.model, "max_model_len": 4096,
+             "seeded_reproducible": False}  # the fake engine promises nothing
+            for p in pools
+        ]  # fmt: skip
+        assert card["max_model_len"] == 4096 and card["seeded_reproducible"] is False
     health = httpx.get(f"{base_url}/health").json()
     assert health["status"] == "ok"  # the fake small pool serves no student: no router fits
     assert health["difficulty_router"]["router"] == "not_a_student"

@@ -159,6 +159,9 @@ class PoolModel(BaseModel):
     """The pool's `engine.model`: `default`, `student`, a model folder or a GGUF file."""
     max_model_len: int | None
     """Its context length as its replicas report it (None before one has)."""
+    seeded_reproducible: bool | None = None
+    """Whether a seeded request gives the same text on it whatever shares its steps: every
+    live replica's engine says so (EngineStats.seeded_reproducible; None before one has)."""
 
 
 class ModelCard(BaseModel):
@@ -171,6 +174,8 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
     """vLLM's field: the longest context a request naming the model can have, the largest
     of its pools' (None before any has reported)."""
+    seeded_reproducible: bool | None = None
+    """On every pool serving it (None before each has a replica that reported)."""
     pools: list[PoolModel] = []
     """The pools serving it (placement chooses among them by tier and load)."""
 

@@ -62,3 +62,9 @@ def test_seeded_request_is_identical_cold_warm_busy_with_and_without_speculation
         runs += _cold_warm_busy(engine, engine.tokenizer.encode(PROMPT))
     assert all(run.token_ids == runs[0].token_ids for run in runs), [r.text for r in runs]
     assert all(run.logprobs == runs[0].logprobs for run in runs)
+
+
+def test_the_engine_says_whether_a_seed_reproduces(make_engine) -> None:
+    """What /v1/models reports: batch-invariant logits here, and none when switched off."""
+    assert make_engine().stats().seeded_reproducible
+    assert not make_engine(batch_invariant=False).stats().seeded_reproducible
