@@ -28,6 +28,7 @@ from policies.tiers import Tier, meets_slo
 from serving.config import PoolConfig
 from serving.http.errors import ApiError
 from serving.http.routes import Call
+from serving.http.schemas.responses import Usage
 from serving.http.streaming import SequenceProgress, usage
 from serving.pools.pool_monitor import PoolMonitor
 
@@ -63,6 +64,9 @@ class RequestRecord:
     """The body's `user`: OpenAI's id of the caller's end user, for tracing abuse to one."""
     placement: Placement | None = None
     """Why this pool, and the latency it was predicted to give (None: not placed)."""
+    replayed: Usage | None = None
+    """A semantic-cache hit's usage (its prompt, the stored completion), which the log line
+    reports; no pool computed it, so the token counters leave it out."""
 
 
 @dataclass
@@ -220,6 +224,7 @@ class Telemetry:
 
 def _log_fields(record: RequestRecord, model: str) -> dict[str, object]:
     first = record.choices[0] if record.choices else None
+    counted = record.replayed or usage(record.choices)
     fields: dict[str, object] = {
         "request_id": record.request_id,
         "key": record.key_name,
@@ -227,8 +232,8 @@ def _log_fields(record: RequestRecord, model: str) -> dict[str, object]:
         "pool": record.pool,
         "model": model,
         "status": record.status,
-        "prompt_tokens": usage(record.choices).prompt_tokens,
-        "output_tokens": usage(record.choices).completion_tokens,
+        "prompt_tokens": counted.prompt_tokens,
+        "output_tokens": counted.completion_tokens,
         "ttft_ms": _ms(first.ttft_s if first else None),
         "queue_ms": _ms(first.queue_time_s if first else None),
         "latency_ms": _ms(record.end_s - first.start_s if first else None),

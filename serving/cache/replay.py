@@ -33,17 +33,22 @@ def replay_response(accepted: AcceptedRequest, headers: dict[str, str]) -> Respo
 
 def replayed_answer(answer: dict[str, Any], response_id: str, num_prompt_tokens: int) -> dict:
     """The stored `chat.completion` as this request's response body."""
-    completion_tokens = answer["usage"]["completion_tokens"]
-    usage = s.Usage(
-        prompt_tokens=num_prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=num_prompt_tokens + completion_tokens,
-    )
+    usage = replayed_usage(answer, num_prompt_tokens)
     stored = s.ChatCompletionResponse.model_validate(answer)
     replayed = stored.model_copy(
         update={"id": response_id, "created": int(time.time()), "usage": usage}
     )
     return replayed.model_dump(mode="json")
+
+
+def replayed_usage(answer: dict[str, Any], num_prompt_tokens: int) -> s.Usage:
+    """This request's prompt with the stored completion's tokens."""
+    completion_tokens = answer["usage"]["completion_tokens"]
+    return s.Usage(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=num_prompt_tokens + completion_tokens,
+    )
 
 
 def replayed_events(answer: dict[str, Any], include_usage: bool) -> Iterator[str]:

@@ -17,6 +17,7 @@ from policies.tiers import Tier
 from serving.cache.semantic_cache import Lookup
 from serving.gateway_config import CallerPolicy
 from serving.http.openai_api import Endpoint
+from serving.http.schemas.responses import Usage
 from serving.http.schemas.sampling import SamplingFields
 from serving.http.streaming import SequenceProgress
 from serving.pools.pool import NewSequence
@@ -96,9 +97,12 @@ class AcceptedRequest:
             headers["x-tierserve-difficulty"] = f"{self.model_choice.difficulty:.3f}"
         return headers
 
-    def log_record(self, status: str, tokenizer: Any, log_prompts: bool) -> RequestRecord:
+    def log_record(
+        self, status: str, tokenizer: Any, log_prompts: bool, replayed: Usage | None = None
+    ) -> RequestRecord:
         """The request's log line and metrics, as it ends with `status`; its words only
-        with `log_prompts` (the first prompt decoded by `tokenizer`)."""
+        with `log_prompts` (the first prompt decoded by `tokenizer`); `replayed`: a cache
+        hit's usage."""
         return RequestRecord(
             request_id=self.request_id,
             key_name=self.key.name,
@@ -112,6 +116,7 @@ class AcceptedRequest:
             max_tokens=self.body.requested_max_tokens,
             user=self.user,
             placement=self.placement,
+            replayed=replayed,
         )
 
 

@@ -18,10 +18,11 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.responses import Response
 
 from engine.outputs import RequestOutput
-from serving.cache.replay import replay_response
+from serving.cache.replay import replay_response, replayed_usage
 from serving.cache.semantic_cache import SemanticCache
 from serving.http.accepted import AcceptedRequest
 from serving.http.errors import ApiError, bad_request, deadline_exceeded, replica_unavailable
+from serving.http.schemas.responses import Usage
 from serving.http.streaming import merge_streams
 from serving.pools.pool_monitor import PoolMonitor, SentSequence
 from serving.telemetry import Telemetry
@@ -92,10 +93,14 @@ class Answers:
         return accepted.endpoint.response(accepted.choices).model_dump(mode="json")
 
     def replay(self, accepted: AcceptedRequest, headers: dict[str, str]) -> Response:
-        """A hit: the stored answer, its log line, and now and then a false-hit check."""
-        assert accepted.cache is not None
-        self._cache.check(accepted.cache, accepted.body)
-        self._log(accepted, "cache_hit")
+        """A hit: the stored answer, its log line (with the usage it answers with), and now
+        and then a false-hit check."""
+        lookup = accepted.cache
+        assert lookup is not None and lookup.entry is not None, "only hits replay"
+        self._cache.check(lookup, accepted.body)
+        self._log(
+            accepted, "cache_hit", replayed_usage(lookup.entry.answer, len(accepted.prompts[0]))
+        )
         return replay_response(accepted, headers)
 
     def _settle(self, accepted: AcceptedRequest, status: str) -> None:
@@ -108,8 +113,9 @@ class Answers:
         if lookup is None or not lookup.hit:
             self._log(accepted, status)
 
-    def _log(self, accepted: AcceptedRequest, status: str) -> None:
-        self._telemetry.observe(accepted.log_record(status, self._tokenizer, self._log_prompts))
+    def _log(self, accepted: AcceptedRequest, status: str, replayed: Usage | None = None) -> None:
+        record = accepted.log_record(status, self._tokenizer, self._log_prompts, replayed)
+        self._telemetry.observe(record)
 
 
 def _as_api_error(accepted: AcceptedRequest, error: Exception) -> ApiError | None:

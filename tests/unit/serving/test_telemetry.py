@@ -18,6 +18,7 @@ from serving.config import PoolConfig
 from serving.gateway_config import CallerPolicy
 from serving.http.errors import ApiError, payload_too_large, too_many_requests
 from serving.http.routes import Call
+from serving.http.schemas.responses import Usage
 from serving.http.streaming import SequenceProgress
 from serving.pools.pool_monitor import PoolMonitor
 from serving.telemetry import Admission, RequestRecord, Telemetry, request_log
@@ -182,3 +183,19 @@ def test_the_log_line_places_the_first_token_hop_by_hop(caplog: pytest.LogCaptur
     expected |= {"to_pool_back": 50, "to_ingress_back": 100}
     assert hops == pytest.approx(expected, abs=2)
     assert sum(hops.values()) == pytest.approx(line["ttft_ms"], abs=2)
+
+
+def test_a_cache_hit_logs_the_usage_it_answered_with_and_counts_no_tokens(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    telemetry = _telemetry(FakeEngine(EngineConfig()))
+    hit = SequenceProgress(start_s=0.0, prompt_index=0)  # nothing generated: a replay
+    replayed = Usage(prompt_tokens=37, completion_tokens=8, total_tokens=45)
+    record = RequestRecord("r", "k", TIER, "fast", "cache_hit", [hit], 0.004, replayed=replayed)
+    with caplog.at_level(logging.INFO, logger=request_log.name):
+        telemetry.observe(record)
+    (line,) = _log_lines(caplog)
+    assert (line["status"], line["prompt_tokens"], line["output_tokens"]) == ("cache_hit", 37, 8)
+    generated = _samples(telemetry, "vllm:generation_tokens_total")
+    prompts = _samples(telemetry, "vllm:prompt_tokens_total")
+    assert set(generated.values()) == {0} and set(prompts.values()) == {0}
