@@ -182,12 +182,12 @@ class AttentionMetadata:
         # took 0.38 ms of a 16-sequence decode step's 25 ms (0.08 ms now).
         starts = list(itertools.accumulate(q_lens[:-1], initial=0))
         seqs = [_Seq(*fields) for fields in zip(q_lens, kv_lens, block_tables, starts, strict=True)]
-        positions = [p for s in seqs for p in range(s.kv_len - s.q_len, s.kv_len)]
-        slots = [
-            s.block_table[p // block_size] * block_size + p % block_size
-            for s in seqs
-            for p in range(s.kv_len - s.q_len, s.kv_len)
-        ]
+        positions: list[int] = []
+        slots: list[int] = []
+        for s in seqs:
+            span = range(s.kv_len - s.q_len, s.kv_len)
+            positions += span
+            slots += [s.block_table[p // block_size] * block_size + p % block_size for p in span]
         layout = StepLayout(seqs, block_size, device, dtype)
         in_place = native_kernel and kernel_serves(device, dtype)
         return cls(

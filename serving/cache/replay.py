@@ -18,11 +18,11 @@ from serving.http.accepted import AcceptedRequest
 from serving.http.schemas import responses as s
 
 
-def replay_response(accepted: AcceptedRequest, headers: dict[str, str]) -> Response:
-    """A hit's stored answer as this request's response, streamed when it asked for a stream."""
+def replay_response(accepted: AcceptedRequest, headers: dict[str, str], usage: s.Usage) -> Response:
+    """A hit's stored answer as this request's response with its `usage` (`replayed_usage`),
+    streamed when it asked for a stream."""
     assert accepted.cache is not None and accepted.cache.entry is not None, "only hits replay"
-    answer = accepted.cache.entry.answer
-    replayed = replayed_answer(answer, accepted.request_id, len(accepted.prompts[0]))
+    replayed = replayed_answer(accepted.cache.entry.answer, accepted.request_id, usage)
     if not accepted.body.stream:
         return JSONResponse(replayed, headers=headers)
     # The whole answer is known: one body, not a chunk per event, so it crosses the
@@ -31,9 +31,8 @@ def replay_response(accepted: AcceptedRequest, headers: dict[str, str]) -> Respo
     return Response(events, media_type="text/event-stream", headers=headers)
 
 
-def replayed_answer(answer: dict[str, Any], response_id: str, num_prompt_tokens: int) -> dict:
+def replayed_answer(answer: dict[str, Any], response_id: str, usage: s.Usage) -> dict:
     """The stored `chat.completion` as this request's response body."""
-    usage = replayed_usage(answer, num_prompt_tokens)
     stored = s.ChatCompletionResponse.model_validate(answer)
     replayed = stored.model_copy(
         update={"id": response_id, "created": int(time.time()), "usage": usage}

@@ -98,10 +98,9 @@ class Answers:
         lookup = accepted.cache
         assert lookup is not None and lookup.entry is not None, "only hits replay"
         self._cache.check(lookup, accepted.body)
-        self._log(
-            accepted, "cache_hit", replayed_usage(lookup.entry.answer, len(accepted.prompts[0]))
-        )
-        return replay_response(accepted, headers)
+        usage = replayed_usage(lookup.entry.answer, len(accepted.prompts[0]))
+        self._log(accepted, "cache_hit", usage)
+        return replay_response(accepted, headers, usage)
 
     def _settle(self, accepted: AcceptedRequest, status: str) -> None:
         """A finished miss's answer is stored and logged. A hit's cancelled generation writes

@@ -24,7 +24,7 @@ from serving.cache.config import SemanticCacheConfig
 from serving.cache.entries import CacheEntry, StoreBounds
 from serving.cache.memory_store import MemoryStore
 from serving.cache.redis_store import RedisStore
-from serving.cache.replay import replayed_answer, replayed_events
+from serving.cache.replay import replayed_answer, replayed_events, replayed_usage
 from serving.cache.request_key import cache_query, cacheable
 from serving.cache.semantic_cache import Lookup, SemanticCache
 from serving.http.schemas.chat import ChatCompletionRequest
@@ -226,7 +226,8 @@ def test_a_hit_cancels_the_generation_and_a_miss_keeps_it() -> None:
 
 
 def test_a_replayed_stream_reassembles_into_the_stored_answer() -> None:
-    answer = replayed_answer(_answer("Paris is the capital."), "chatcmpl-new", 20)
+    stored = _answer("Paris is the capital.")
+    answer = replayed_answer(stored, "chatcmpl-new", replayed_usage(stored, 20))
     assert answer["id"] == "chatcmpl-new" and answer["usage"]["prompt_tokens"] == 20
     events = list(replayed_events(answer, include_usage=True))
     assert events[-1] == "data: [DONE]\n\n"
