@@ -1,6 +1,7 @@
 /* RMSNorm on the CPU, fused with the residual add before it: one pass over a row where
  * torch runs several small ops (each with its own dispatch, tens of microseconds apiece
- * in a decode step, more than the arithmetic at these sizes).
+ * in a decode step, more than the arithmetic at these sizes). The fused form works in
+ * place, so a step allocates nothing for its norms.
  *
  * fp32 or bf16, row-major [rows, dim]. Each row is computed alone in a fixed order, so a
  * row's result does not depend on the batch around it. bf16 rows are normalised in fp32
@@ -38,14 +39,14 @@ void rms_norm(const float *x, const float *weight, float eps, int64_t rows, int6
     }
 }
 
-/* summed = residual + x, then out = rms_norm(summed): a pre-norm block's skip connection
- * and the next norm in one pass. */
-void add_rms_norm(const float *x, const float *residual, const float *weight, float eps,
-                  int64_t rows, int64_t dim, float *summed, float *out) {
+/* residual += x, then x = rms_norm(residual): a pre-norm block's skip connection and the
+ * next norm in one pass, in place (the caller is done with both inputs). */
+void add_rms_norm(float *restrict x, float *restrict residual, const float *restrict weight,
+                  float eps, int64_t rows, int64_t dim) {
     for (int64_t r = 0; r < rows; r++) {
-        float *sr = summed + r * dim;
-        for (int64_t i = 0; i < dim; i++) sr[i] = residual[r * dim + i] + x[r * dim + i];
-        scale_row(sr, weight, 1.0f / sqrtf(mean_square(sr, dim) + eps), dim, out + r * dim);
+        float *xr = x + r * dim, *sr = residual + r * dim;
+        for (int64_t i = 0; i < dim; i++) sr[i] += xr[i];
+        scale_row(sr, weight, 1.0f / sqrtf(mean_square(sr, dim) + eps), dim, xr);
     }
 }
 
@@ -67,14 +68,15 @@ void rms_norm_bf16(const bf16 *x, const bf16 *weight, float eps, int64_t rows, i
     }
 }
 
-void add_rms_norm_bf16(const bf16 *x, const bf16 *residual, const bf16 *weight, float eps,
-                       int64_t rows, int64_t dim, bf16 *summed, bf16 *out) {
+void add_rms_norm_bf16(bf16 *restrict x, bf16 *restrict residual, const bf16 *restrict weight,
+                       float eps, int64_t rows, int64_t dim) {
     float row[dim];
     for (int64_t r = 0; r < rows; r++) {
+        bf16 *xr = x + r * dim, *sr = residual + r * dim;
         for (int64_t i = 0; i < dim; i++) {
-            summed[r * dim + i] = to_bf16(from_bf16(residual[r * dim + i]) + from_bf16(x[r * dim + i]));
-            row[i] = from_bf16(summed[r * dim + i]);
+            sr[i] = to_bf16(from_bf16(sr[i]) + from_bf16(xr[i]));
+            row[i] = from_bf16(sr[i]);
         }
-        scale_row_bf16(row, weight, 1.0f / sqrtf(mean_square(row, dim) + eps), dim, out + r * dim);
+        scale_row_bf16(row, weight, 1.0f / sqrtf(mean_square(row, dim) + eps), dim, xr);
     }
 }

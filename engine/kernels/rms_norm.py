@@ -24,9 +24,9 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES: dict[str, native.Signature] = {
     "rms_norm": ([_P, _P, _F, _I, _I, _P], None),
-    "add_rms_norm": ([_P, _P, _P, _F, _I, _I, _P, _P], None),
+    "add_rms_norm": ([_P, _P, _P, _F, _I, _I], None),
     "rms_norm_bf16": ([_P, _P, _F, _I, _I, _P], None),
-    "add_rms_norm_bf16": ([_P, _P, _P, _F, _I, _I, _P, _P], None),
+    "add_rms_norm_bf16": ([_P, _P, _P, _F, _I, _I], None),
 }
 _SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}
 """The kernel's entry points by dtype."""
@@ -47,17 +47,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(residual + x), residual + x): the skip connection and the next norm."""
-    if not _takes(weight, x, residual):
+    """(rms_norm(residual + x), residual + x): the skip connection and the next norm.
+
+    Consumes both inputs: where the kernel runs it writes the sum into `residual` and the
+    norm into `x` (a decode step's 2 norms a layer then allocate nothing), so a caller
+    reads only what this returns."""
+    if not (_takes(weight, x, residual) and x.is_contiguous() and residual.is_contiguous()):
         summed = residual + x
         return rms_norm_reference(summed, weight, eps), summed
-    x, residual = x.contiguous(), residual.contiguous()
-    summed, out = torch.empty_like(x), torch.empty_like(x)
-    rows, dim = x.numel() // x.shape[-1], x.shape[-1]
     entry = getattr(_lib(), "add_rms_norm" + _SUFFIX[x.dtype])
-    entry(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, rows, dim,
-          summed.data_ptr(), out.data_ptr())  # fmt: skip
-    return out, summed
+    entry(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, x.numel() // x.shape[-1],
+          x.shape[-1])  # fmt: skip
+    return x, residual
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

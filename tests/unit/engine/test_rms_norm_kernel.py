@@ -38,7 +38,7 @@ def test_kernel_matches_the_torch_reference(rows: int, dim: int, dtype: torch.dt
     x, residual, weight = _inputs(rows, dim, dtype=dtype)
 
     normed = kernel.rms_norm(x, weight, EPS)
-    added, summed = kernel.add_rms_norm(x, residual, weight, EPS)
+    added, summed = kernel.add_rms_norm(x.clone(), residual.clone(), weight, EPS)
 
     assert normed.dtype == added.dtype == summed.dtype == dtype
     _assert_matches(normed, kernel.rms_norm_reference(x, weight, EPS))
@@ -50,11 +50,11 @@ def test_kernel_matches_the_torch_reference(rows: int, dim: int, dtype: torch.dt
 def test_a_row_is_the_same_alone_or_in_a_batch(dtype: torch.dtype) -> None:
     x, residual, weight = _inputs(9, dtype=dtype)
 
-    batch, batch_sum = kernel.add_rms_norm(x, residual, weight, EPS)
+    batch, batch_sum = kernel.add_rms_norm(x.clone(), residual.clone(), weight, EPS)
 
     for row in range(9):
         alone, alone_sum = kernel.add_rms_norm(
-            x[row : row + 1], residual[row : row + 1], weight, EPS
+            x[row : row + 1].clone(), residual[row : row + 1].clone(), weight, EPS
         )
         assert torch.equal(alone, batch[row : row + 1]) and torch.equal(
             alone_sum, batch_sum[row : row + 1]
@@ -62,15 +62,32 @@ def test_a_row_is_the_same_alone_or_in_a_batch(dtype: torch.dtype) -> None:
     assert torch.equal(kernel.rms_norm(x[3:4], weight, EPS), kernel.rms_norm(x, weight, EPS)[3:4])
 
 
-def test_inputs_are_left_untouched_and_leading_dims_kept() -> None:
+def test_the_fused_norm_works_in_place_and_keeps_leading_dims() -> None:
+    """Where the kernel runs, the sum lands in `residual` and the norm in `x`: nothing is
+    allocated, and the results are what a fresh computation gives."""
     x, residual, weight = _inputs(6)
     x3, residual3 = x.view(2, 3, -1), residual.view(2, 3, -1)
-    before = residual3.clone()
+    expected_sum = residual3 + x3
+    expected = kernel.rms_norm_reference(expected_sum, weight, EPS)
 
     normed, summed = kernel.add_rms_norm(x3, residual3, weight, EPS)
 
+    assert normed.data_ptr() == x.data_ptr() and summed.data_ptr() == residual.data_ptr()
     assert normed.shape == summed.shape == (2, 3, 576)
-    assert torch.equal(residual3, before)
+    assert torch.equal(summed, expected_sum)
+    _assert_matches(normed, expected)
+
+
+def test_strided_inputs_keep_to_torch_and_are_left_untouched() -> None:
+    x, residual, weight = _inputs(6, dim=1152)
+    x_half, residual_half = x[:, ::2], residual[:, ::2]  # every other column: strided
+    before = residual_half.clone(), x_half.clone()
+
+    normed, summed = kernel.add_rms_norm(x_half, residual_half, weight[::2].clone(), EPS)
+
+    assert torch.equal(summed, before[0] + before[1])
+    assert torch.equal(residual_half, before[0]) and torch.equal(x_half, before[1])
+    assert normed.shape == (6, 576)
 
 
 def test_other_dtypes_and_autograd_keep_to_torch() -> None:
