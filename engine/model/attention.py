@@ -8,8 +8,9 @@ per layer; a slot is `block_id * block_size + offset`.
 Sequences are attended in groups so padding stays cheap: all short queries
 (decodes, speculative verification) share one group, and each prefill chunk
 gets its own. On a CPU with a C compiler the short queries go to a kernel that
-reads the paged cache in place (engine/kernels/paged_attention.c); otherwise,
-and for prefill chunks, a group is one padded SDPA call. A padded group
+reads the paged cache in place (engine/kernels/paged_attention.c), on CUDA to its
+Triton twin (engine/kernels/paged_attention_triton.py); otherwise, and for prefill
+chunks, a group is one padded SDPA call. A padded group
 gathers its sequences' context block by block (one `index_select` of
 contiguous rows is several times faster than gathering slot by slot); a chunk
 with no cached context skips the cache and attends to its own K/V with a
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import paged_attention as kernels
+from engine.kernels import paged_attention_triton as triton_kernel
 from engine.quant import kv as kv_quant
 
 SHORT_QUERY_MAX = 8
@@ -88,21 +90,29 @@ class AttentionGroup:
 
 @dataclass(frozen=True)
 class KernelGroup:
-    """Short queries for the in-place CPU kernel: no padding, no gathered copy."""
+    """Short queries for an in-place kernel (C on a CPU, Triton on CUDA): no padding, no
+    gathered copy."""
 
     token_index: torch.Tensor | None  # [G_T] packed-token rows it computes; None: all, in order
     block_tables: torch.Tensor  # [B, max_blocks] 0-padded
     query_seq: torch.Tensor  # [G_T] row of block_tables each query reads
     visible: torch.Tensor  # [G_T] context positions each query sees
     block_size: int
-    thread_bounds: torch.Tensor
-    """The queries' split over threads, worked out once per step for every layer."""
+    thread_bounds: torch.Tensor | None
+    """The queries' split over CPU threads, worked out once per step for every layer (None
+    on a GPU)."""
 
     def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         """[G_T, H, D] outputs of this group's queries, read from the paged cache in place."""
+        queries = q if self.token_index is None else q[self.token_index]
+        if self.thread_bounds is None:
+            return triton_kernel.paged_attention_triton(
+                queries, k_cache, v_cache, self.block_tables, self.query_seq, self.visible,
+                self.block_size,
+            )  # fmt: skip
         return kernels.paged_attention(
-            q if self.token_index is None else q[self.token_index], k_cache, v_cache,
-            self.block_tables, self.query_seq, self.visible, self.block_size, self.thread_bounds,
+            queries, k_cache, v_cache, self.block_tables, self.query_seq, self.visible,
+            self.block_size, self.thread_bounds,
         )  # fmt: skip
 
 
@@ -126,7 +136,7 @@ class StepLayout:
         groups: list[Group] = []
         if short:
             groups.append(
-                _kernel_group(short, self.block_size, whole_batch=not long)
+                _kernel_group(short, self.block_size, not long, self.device)
                 if in_place
                 else _group(short, self.block_size, self.dtype)
             )
@@ -199,8 +209,12 @@ class AttentionMetadata:
 
 
 def kernel_serves(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether the in-place paged kernel can attend on this device in this dtype."""
-    return torch.device(device).type == "cpu" and kernels.available(dtype)
+    """Whether an in-place paged kernel attends on this device in this dtype: the C kernel
+    on a CPU, the Triton one on CUDA."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return triton_kernel.available(dtype)
+    return kind == "cpu" and kernels.available(dtype)
 
 
 class _Seq(NamedTuple):
@@ -272,19 +286,24 @@ def _mask(
     return mask.unsqueeze(1)
 
 
-def _kernel_group(seqs: list[_Seq], block_size: int, whole_batch: bool) -> KernelGroup:
+def _kernel_group(
+    seqs: list[_Seq], block_size: int, whole_batch: bool, device: torch.device | str
+) -> KernelGroup:
     """The kernel's view of `seqs`; `whole_batch`: they are every sequence of the step."""
     # Query j of a sequence with q_len new tokens sees all but its last q_len - 1 - j.
     visible = torch.tensor([s.kv_len - s.q_len + 1 + j for s in seqs for j in range(s.q_len)])
     max_blocks = -(-max(s.kv_len for s in seqs) // block_size)
     rows = None if whole_batch else [s.start + j for s in seqs for j in range(s.q_len)]
+    on_cpu = torch.device(device).type == "cpu"
     return KernelGroup(
-        token_index=None if rows is None else torch.tensor(rows),
-        block_tables=_pad_tables([s.block_table for s in seqs], max_blocks),
-        query_seq=torch.tensor([b for b, s in enumerate(seqs) for _ in range(s.q_len)]),
-        visible=visible,
+        token_index=None if rows is None else torch.tensor(rows, device=device),
+        block_tables=_pad_tables([s.block_table for s in seqs], max_blocks).to(device),
+        query_seq=torch.tensor(
+            [b for b, s in enumerate(seqs) for _ in range(s.q_len)], device=device
+        ),
+        visible=visible.to(device),
         block_size=block_size,
-        thread_bounds=kernels.query_bounds(visible, torch.get_num_threads()),
+        thread_bounds=kernels.query_bounds(visible, torch.get_num_threads()) if on_cpu else None,
     )
 
 

@@ -94,7 +94,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = torch.device(config.device)
         self.dtype = model.embed_tokens.weight.dtype
-        self.native_attention = config.native_attention
+        self.native_attention = config.native_attention and (
+            self.device.type == "cpu" or config.kv_cache_dtype == "auto"
+        )
+        """Short queries to an in-place paged kernel; on a GPU only over a cache in the
+        model's dtype (the Triton kernel reads no codes and scales)."""
         if can_pack(config.device, self.dtype):
             pack_linears(model)
         self.batch_invariant = config.batch_invariant and self._make_batch_invariant(
@@ -117,6 +121,9 @@ class ModelRunner:
     def _make_batch_invariant(self, max_rows: int) -> bool:
         """Matmuls at invariant row counts (a step holds at most `max_rows` tokens), every
         query through the paged kernel."""
+        if self.device.type != "cpu":
+            log.warning("batch invariance holds on CPUs only: off on %s", self.device)
+            return False
         if not (self.native_attention and kernel_serves(self.device, self.dtype)):
             log.warning("batch invariance needs the paged-attention kernel: not available")
             return False

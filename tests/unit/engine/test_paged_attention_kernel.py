@@ -63,7 +63,9 @@ def test_kernel_matches_padded_torch_path(q_lens, kv_lens, dtype, tolerance, mon
 
 
 def test_queries_of_one_sequence_see_causal_prefixes():
-    group = attention._kernel_group([attention._Seq(3, 10, [0, 1, 2], 0)], BLOCK, whole_batch=True)
+    group = attention._kernel_group(
+        [attention._Seq(3, 10, [0, 1, 2], 0)], BLOCK, whole_batch=True, device="cpu"
+    )
     assert group.visible.tolist() == [8, 9, 10]
     assert group.query_seq.tolist() == [0, 0, 0]
 
