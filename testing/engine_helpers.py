@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -162,3 +164,19 @@ def scattered_block_tables(
         tables.append(order[: -(-n // block_size)])
         order = order[-(-n // block_size) :]
     return num_blocks, tables
+
+
+Result = TypeVar("Result")
+
+
+def on_one_and_two_threads(compute: Callable[[], Result]) -> tuple[Result, Result]:
+    """`compute()` at one torch thread, then at two (a kernel that splits its rows or outputs
+    over torch's threads); the thread count is restored after."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = compute()
+        torch.set_num_threads(2)
+        return alone, compute()
+    finally:
+        torch.set_num_threads(threads)

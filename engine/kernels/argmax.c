@@ -56,8 +56,10 @@ static int64_t first_equal(const float *x, int64_t n, float target) {
     return 0;
 }
 
-/* out[r] = argmax of row r of x [rows, n] (row-major, dense). */
-void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
+/* out[r] = argmax of row r of x [rows, n] (row-major, dense), the rows split over
+ * `threads` of torch's OpenMP threads. */
+void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int64_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * n;
         int has_nan;

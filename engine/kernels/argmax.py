@@ -18,9 +18,9 @@ import torch
 from engine.kernels import native
 
 SOURCE = Path(__file__).with_name("argmax.c")
-COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC")
+COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", native.OPENMP)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_SIGNATURES: dict[str, native.Signature] = {"argmax_rows": ([_P, _I, _I, _P], None)}
+_SIGNATURES: dict[str, native.Signature] = {"argmax_rows": ([_P, _I, _I, _P, _I], None)}
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
@@ -29,7 +29,9 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
         return logits.argmax(dim=-1).tolist()
     logits = logits.contiguous()
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    _lib().argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
+    rows = logits.shape[0]
+    _lib().argmax_rows(logits.data_ptr(), rows, logits.shape[1], out.data_ptr(),
+                       native.row_threads(rows))  # fmt: skip
     return out.tolist()
 
 

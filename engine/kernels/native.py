@@ -34,6 +34,11 @@ LINK_FLAGS = ("-shared", "-lm", OPENMP)
 """Linked in a separate step without -ffast-math: linking with it would add crtfastmath,
 whose constructor switches the whole process to flush-denormals-to-zero."""
 
+PARALLEL_MIN_ROWS = 32
+"""Rows from which a row-wise kernel (norms, SwiGLU, argmax) splits them over torch's
+threads: at a 16-sequence decode each call is a few microseconds, less than waking
+another thread costs; at 64 rows (the offline pool's batch) it is tens."""
+
 Signature = tuple[list[type], type]
 """A C function's ctypes argument types and return type."""
 
@@ -71,6 +76,11 @@ def takes(dtypes: Collection[torch.dtype], *tensors: torch.Tensor) -> bool:
         if tensor.dtype != dtype or not tensor.is_cpu:
             return False
     return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
+
+
+def row_threads(rows: int) -> int:
+    """torch's intra-op threads for a row-wise kernel over `rows` rows; 1 for few rows."""
+    return torch.get_num_threads() if rows >= PARALLEL_MIN_ROWS else 1
 
 
 def _cpu_identity() -> str:

@@ -6,7 +6,8 @@
  * fp32 or bf16, row-major [rows, dim]. Each row is computed alone in a fixed order, so a
  * row's result does not depend on the batch around it. bf16 rows are normalised in fp32
  * and rounded where torch's bf16 path rounds (the sum, the normalised row, the product
- * with the weight), so the kernel matches the reference it replaces.
+ * with the weight), so the kernel matches the reference it replaces. Rows are split over
+ * `threads` of torch's OpenMP threads; a row is computed the same on any of them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -32,7 +33,8 @@ static void scale_row(const float *x, const float *weight, float inv, int64_t di
 
 /* out = weight * x / sqrt(mean(x^2) + eps), per row. */
 void rms_norm(const float *x, const float *weight, float eps, int64_t rows, int64_t dim,
-              float *out) {
+              float *out, int64_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim;
         scale_row(xr, weight, 1.0f / sqrtf(mean_square(xr, dim) + eps), dim, out + r * dim);
@@ -42,7 +44,8 @@ void rms_norm(const float *x, const float *weight, float eps, int64_t rows, int6
 /* residual += x, then x = rms_norm(residual): a pre-norm block's skip connection and the
  * next norm in one pass, in place (the caller is done with both inputs). */
 void add_rms_norm(float *restrict x, float *restrict residual, const float *restrict weight,
-                  float eps, int64_t rows, int64_t dim) {
+                  float eps, int64_t rows, int64_t dim, int64_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
         float *xr = x + r * dim, *sr = residual + r * dim;
         for (int64_t i = 0; i < dim; i++) sr[i] += xr[i];
@@ -60,18 +63,20 @@ static void scale_row_bf16(const float *row, const bf16 *weight, float inv, int6
 }
 
 void rms_norm_bf16(const bf16 *x, const bf16 *weight, float eps, int64_t rows, int64_t dim,
-                   bf16 *out) {
-    float row[dim];
+                   bf16 *out, int64_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
+        float row[dim];
         for (int64_t i = 0; i < dim; i++) row[i] = from_bf16(x[r * dim + i]);
         scale_row_bf16(row, weight, 1.0f / sqrtf(mean_square(row, dim) + eps), dim, out + r * dim);
     }
 }
 
 void add_rms_norm_bf16(bf16 *restrict x, bf16 *restrict residual, const bf16 *restrict weight,
-                       float eps, int64_t rows, int64_t dim) {
-    float row[dim];
+                       float eps, int64_t rows, int64_t dim, int64_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
+        float row[dim];
         bf16 *xr = x + r * dim, *sr = residual + r * dim;
         for (int64_t i = 0; i < dim; i++) {
             sr[i] = to_bf16(from_bf16(sr[i]) + from_bf16(xr[i]));

@@ -19,14 +19,14 @@ import torch.nn.functional as F
 from engine.kernels import native
 
 SOURCE = Path(__file__).with_name("rms_norm.c")
-COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC")
+COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", native.OPENMP)
 """No -ffast-math: the sum of squares keeps its written order."""
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES: dict[str, native.Signature] = {
-    "rms_norm": ([_P, _P, _F, _I, _I, _P], None),
-    "add_rms_norm": ([_P, _P, _P, _F, _I, _I], None),
-    "rms_norm_bf16": ([_P, _P, _F, _I, _I, _P], None),
-    "add_rms_norm_bf16": ([_P, _P, _P, _F, _I, _I], None),
+    "rms_norm": ([_P, _P, _F, _I, _I, _P, _I], None),
+    "add_rms_norm": ([_P, _P, _P, _F, _I, _I, _I], None),
+    "rms_norm_bf16": ([_P, _P, _F, _I, _I, _P, _I], None),
+    "add_rms_norm_bf16": ([_P, _P, _P, _F, _I, _I, _I], None),
 }
 _SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}
 """The kernel's entry points by dtype."""
@@ -40,7 +40,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     rows, dim = x.numel() // x.shape[-1], x.shape[-1]
     entry = getattr(_lib(), "rms_norm" + _SUFFIX[x.dtype])
-    entry(x.data_ptr(), weight.data_ptr(), eps, rows, dim, out.data_ptr())
+    entry(x.data_ptr(), weight.data_ptr(), eps, rows, dim, out.data_ptr(), native.row_threads(rows))
     return out
 
 
@@ -56,8 +56,9 @@ def add_rms_norm(
         summed = residual + x
         return rms_norm_reference(summed, weight, eps), summed
     entry = getattr(_lib(), "add_rms_norm" + _SUFFIX[x.dtype])
-    entry(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, x.numel() // x.shape[-1],
-          x.shape[-1])  # fmt: skip
+    rows = x.numel() // x.shape[-1]
+    entry(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, rows, x.shape[-1],
+          native.row_threads(rows))  # fmt: skip
     return x, residual
 
 

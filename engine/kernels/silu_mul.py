@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from engine.kernels import native
 
 SOURCE = Path(__file__).with_name("silu_mul.c")
-COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC")
+COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", native.OPENMP)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_SIGNATURES: dict[str, native.Signature] = {"silu_mul_bf16": ([_P, _P, _I, _I, _P], None)}
+_SIGNATURES: dict[str, native.Signature] = {"silu_mul_bf16": ([_P, _P, _I, _I, _P, _I], None)}
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -34,7 +34,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, width, dtype=gate_up.dtype)
     _lib().silu_mul_bf16(gate_up.data_ptr(), _silu_table().data_ptr(), rows, width,
-                         out.data_ptr())  # fmt: skip
+                         out.data_ptr(), native.row_threads(rows))  # fmt: skip
     return out
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.kernels import argmax
+from testing.engine_helpers import on_one_and_two_threads
 
 pytestmark = pytest.mark.skipif(argmax._lib() is None, reason="no AVX2 / C compiler here")
 
@@ -47,3 +48,9 @@ def test_views_and_other_dtypes_fall_back_to_the_same_answer() -> None:
     halves = logits.bfloat16()
     assert argmax.argmax_rows(halves) == expected(halves)
     assert argmax.argmax_rows(logits[:0]) == []
+
+
+def test_many_rows_split_over_threads_give_torchs_answer() -> None:
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(3))
+    alone, split = on_one_and_two_threads(lambda: argmax.argmax_rows(logits))
+    assert alone == split == expected(logits)

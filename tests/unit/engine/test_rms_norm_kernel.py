@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.kernels import rms_norm as kernel
+from testing.engine_helpers import on_one_and_two_threads
 
 EPS = 1e-5
 pytestmark = pytest.mark.skipif(kernel._lib() is None, reason="no C compiler here")
@@ -100,3 +101,15 @@ def test_other_dtypes_and_autograd_keep_to_torch() -> None:
     trained = weight.clone().requires_grad_()
     kernel.add_rms_norm(x, residual, trained, EPS)[0].sum().backward()
     assert trained.grad is not None and torch.isfinite(trained.grad).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_many_rows_split_over_threads_without_changing_a_bit(dtype: torch.dtype) -> None:
+    x, residual, weight = _inputs(64, dtype=dtype)
+
+    def both_norms() -> tuple[torch.Tensor, ...]:
+        normed = kernel.rms_norm(x, weight, EPS)
+        return (normed, *kernel.add_rms_norm(x.clone(), residual.clone(), weight, EPS))
+
+    alone, split = on_one_and_two_threads(both_norms)
+    assert all(torch.equal(a, b) for a, b in zip(alone, split, strict=True))

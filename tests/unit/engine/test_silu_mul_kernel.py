@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.kernels import silu_mul as kernel
+from testing.engine_helpers import on_one_and_two_threads
 
 pytestmark = pytest.mark.skipif(kernel._lib() is None, reason="no C compiler here")
 
@@ -48,3 +49,10 @@ def test_fp32_and_strided_rows_keep_to_torch() -> None:
     strided = gate_up.bfloat16()[:, ::2]  # [4, 32] with every other column
     expected = kernel.silu_mul_reference(strided.contiguous())
     assert torch.equal(_bits(kernel.silu_mul(strided)), _bits(expected))
+
+
+def test_many_rows_split_over_threads_without_changing_a_bit() -> None:
+    gate_up = (torch.randn(64, 3072, generator=torch.Generator().manual_seed(2)) * 3).bfloat16()
+    alone, split = on_one_and_two_threads(lambda: kernel.silu_mul(gate_up))
+    assert torch.equal(_bits(alone), _bits(split))
+    assert torch.equal(_bits(split), _bits(kernel.silu_mul_reference(gate_up.clone())))

@@ -14,6 +14,7 @@ from engine.kernels import w4a8
 from engine.kernels.int4_mm import int4_mm_reference, pack_int4
 from engine.quant.linear import Int4Linear, Int8Linear, quantize_linear, switch_to_int8_activations
 from engine.quant.maths import quantize_int8
+from testing.engine_helpers import on_one_and_two_threads
 
 pytestmark = pytest.mark.skipif(not w4a8.available(), reason="no AVX2 / C compiler here")
 
@@ -113,14 +114,7 @@ def test_a_row_is_the_same_alone_or_in_any_batch(kind: str) -> None:
 def test_threads_split_the_outputs_without_changing_a_bit(kind: str) -> None:
     weight, _ = _case(kind, 1536, 576, 64)
     x = torch.randn(4, 576)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = w4a8.a8_mm(x, weight)
-        torch.set_num_threads(2)
-        split = w4a8.a8_mm(x, weight)
-    finally:
-        torch.set_num_threads(threads)
+    alone, split = on_one_and_two_threads(lambda: w4a8.a8_mm(x, weight))
     assert torch.equal(alone, split)
 
 
