@@ -105,7 +105,7 @@ class KernelGroup:
     def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         """[G_T, H, D] outputs of this group's queries, read from the paged cache in place."""
         queries = q if self.token_index is None else q[self.token_index]
-        if self.thread_bounds is None:
+        if queries.is_cuda:
             return triton_kernel.paged_attention_triton(
                 queries, k_cache, v_cache, self.block_tables, self.query_seq, self.visible,
                 self.block_size,

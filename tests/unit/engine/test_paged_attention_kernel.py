@@ -13,7 +13,7 @@ import torch
 from engine.kernels import paged_attention as kernels
 from engine.model import attention
 from engine.model.attention import AttentionMetadata, KernelGroup
-from testing.engine_helpers import scattered_block_tables
+from testing.engine_helpers import on_one_and_two_threads, scattered_block_tables
 
 BLOCK = 4
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16
@@ -110,15 +110,9 @@ def test_prefill_chunks_in_the_kernel_match_sdpa_and_split_over_threads_bit_for_
     )  # fmt: skip
     in_kernel = AttentionMetadata.build(q_lens, kv_lens, tables, BLOCK, all_in_kernel=True)
     assert all(isinstance(g, KernelGroup) for g in in_kernel.groups)
-    threads = torch.get_num_threads()
-    outputs = []
-    try:
-        for num_threads in (1, 2):
-            torch.set_num_threads(num_threads)
-            caches = (k_cache.clone(), v_cache.clone())
-            outputs.append(attention.paged_attention(q, k, v, *caches, in_kernel))
-    finally:
-        torch.set_num_threads(threads)
+    outputs = on_one_and_two_threads(
+        lambda: attention.paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), in_kernel)
+    )
     torch.testing.assert_close(outputs[0], sdpa, atol=1e-5, rtol=1e-5)
     assert torch.equal(outputs[0], outputs[1])  # the split changes no bit
 
