@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-import time
 
 from transformers import PreTrainedTokenizerBase
 
@@ -30,9 +29,9 @@ from engine.prompt_limits import PromptLimits
 from engine.quant.prepare import prepare_model
 from engine.request import Request, Urgency
 from engine.sampling_params import PoolingParams, SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput, StepWork
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import DraftModelProposer, Proposal, Speculator, build_speculator
-from engine.step_cost import StepCostModel
+from engine.step_cost import StepClock, StepCostModel, StepWork
 from engine.token_counters import TokenCounters
 
 log = logging.getLogger(__name__)
@@ -64,13 +63,9 @@ class LLMEngine:
         )
         """What a request may ask of this engine (its context, cache and vocabulary)."""
         self.step_cost = StepCostModel()
-        """What a step costs: from the end of the step before when the engine had work
-        left then (what the loop does between steps delays the next token as much as the
-        forward pass does: 19 ms a step on the offline pool under bench_sla's overload),
-        else from the step's own start; scheduling, drafting, the forward pass and making
-        the outputs in either case."""
-        self._busy_since_s: float | None = None
-        """When the last step ended, if work was left then."""
+        """What a step costs, timed by `clock`: scheduling, drafting, the forward pass and
+        making the outputs."""
+        self.clock = StepClock()
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.step_cost,
             prefill_step_limit_s=config.prefill_step_limit_s,
@@ -134,8 +129,7 @@ class LLMEngine:
         return None if tracked is None else self._end(tracked.request, "abort")
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker ranks, if any (they would also go with this
-        process); the engine cannot step after."""
+        """Stop the tensor-parallel worker ranks, if any; the engine cannot step after."""
         if self.ranks is not None:
             self.ranks.close()
 
@@ -149,20 +143,19 @@ class LLMEngine:
         A failure of the forward pass fails the requests of this step (their blocks freed);
         a failure tied to one request fails that request; the engine goes on either way.
         """
-        began_s = self._busy_since_s or time.perf_counter()
+        began_s = self.clock.start()
         scheduled = self.scheduler.schedule(self._propose())
         if not scheduled.num_new_tokens:
-            self._busy_since_s = None
+            self.clock.stop(work_left=False)
             return []
         work = scheduled.work  # before the update advances the requests
         result = self._execute(scheduled)
         kept = self.scheduler.update(scheduled, result)
         outputs = [self._emit(request, token_ids, result) for request, token_ids in kept.items()]
         self.counters.count_generated(sum(len(o.new_token_ids) for o in outputs))
-        ended_s = time.perf_counter()
+        ended_s = self.clock.stop(work_left=self.has_unfinished())
         if len(result.failed) < len(scheduled.num_new_tokens):  # not a failed forward pass
             self._learn_cost(scheduled, work, ended_s - began_s)
-        self._busy_since_s = ended_s if self.has_unfinished() else None
         return outputs
 
     def _execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
@@ -183,29 +176,18 @@ class LLMEngine:
         return result
 
     def _learn_cost(self, scheduled: SchedulerOutput, work: StepWork, seconds: float) -> None:
-        """The step's time, to the cost model and the speculator: up to its outputs made
-        (sampling's bookkeeping and detokenizing delay the next token as much as the forward
-        pass does), over the `work` the scheduler priced it at."""
-        self.step_cost.observe(
-            work.num_seqs, work.num_tokens, seconds, work.attended, work.prompt_tokens,
-            work.prompt_attended,
-        )  # fmt: skip
+        """The step's time (to its outputs made), over the `work` the scheduler priced it
+        at, to the cost model and the speculator."""
+        self.step_cost.observe(work, seconds)
         if self.speculator is not None:
             self.speculator.observe_step(scheduled.num_new_tokens, scheduled.drafts, seconds)
 
     def _propose(self) -> dict[Request, Proposal]:
-        """Drafts for this step; a failing proposer costs the speedup, never the requests."""
-        if self.speculator is None:
-            return {}
-        try:
-            return self.speculator.propose(self.scheduler.running)
-        except Exception:  # noqa: BLE001 - speculation is optional
-            log.exception("draft proposal failed; this step runs without drafts")
-            return {}
+        """Drafts for this step (none without speculation)."""
+        return self.speculator.propose(self.scheduler.running) if self.speculator else {}
 
     def _end(self, request: Request, reason: str, error: str | None = None) -> RequestOutput:
-        """Finish `request` early (`abort`, or `error` when it failed): free what it holds;
-        its last delta."""
+        """Its last delta: `request` finished early (`abort`, or `error`), its hold freed."""
         if error is not None:
             log.error("request %s failed: %s", request.request_id, error)
         tracked = self.requests[request.request_id]
@@ -214,21 +196,16 @@ class LLMEngine:
         return tracked.output([], None, "", reason, error=error)
 
     def _emit(self, request: Request, token_ids: list[int], result: RunnerOutput) -> RequestOutput:
-        """The request's delta; a failure here (detokenizing, stop strings) fails it alone."""
+        """The request's delta: its kept tokens detokenized, stop strings applied, released
+        once finished. A failure in detokenizing or stop strings fails this request alone."""
         if request in result.failed:
             return self._end(request, "error", result.failed[request])
+        tracked = self.requests[request.request_id]
         try:
-            return self._text_delta(request, token_ids, result)
+            text, hit_stop_string = tracked.push(token_ids)
         except Exception as exc:  # noqa: BLE001 - one request's text must not stop the batch
             log.exception("output processing failed for request %s", request.request_id)
             return self._end(request, "error", f"output processing failed: {exc!r}")
-
-    def _text_delta(
-        self, request: Request, token_ids: list[int], result: RunnerOutput
-    ) -> RequestOutput:
-        """Detokenize the kept tokens, apply stop strings, and release a finished request."""
-        tracked = self.requests[request.request_id]
-        text, hit_stop_string = tracked.push(token_ids)
         reason = "stop" if hit_stop_string else request.finish_reason
         if hit_stop_string:
             self.scheduler.finish(request, reason)
@@ -250,22 +227,29 @@ class LLMEngine:
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.kv.usage,
-            prefix_cache_queries=self.kv.num_queries,
-            prefix_cache_hits=self.kv.num_hits,
             num_preemptions=self.scheduler.num_preemptions,
             generation_tokens_per_s=self.counters.generation_rate(),
             num_prompt_tokens=self.counters.num_prompt_tokens,
             num_generation_tokens=self.counters.num_generation_tokens,
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
-            num_kv_blocks=self.kv.pool.num_blocks,
-            kv_max_num_seqs=self.kv.num_seqs_fitting(self.max_model_len),
             kv_cache_dtype=self.config.kv_cache_dtype,
             seeded_reproducible=self.runner.batch_invariant,
             step_cost=self.step_cost.coefficients(),
+            **_kv_stats(self.kv, self.max_model_len),
             **_spec_stats(self.speculator),
         )
+
+
+def _kv_stats(kv: KVCacheManager, max_model_len: int) -> dict:
+    """The KV cache's load, prefix-cache counters and capacity as EngineStats fields."""
+    return dict(
+        kv_cache_usage=kv.usage,
+        prefix_cache_queries=kv.num_queries,
+        prefix_cache_hits=kv.num_hits,
+        num_kv_blocks=kv.pool.num_blocks,
+        kv_max_num_seqs=kv.num_seqs_fitting(max_model_len),
+    )
 
 
 def _spec_stats(spec: Speculator | None) -> dict:

@@ -29,29 +29,16 @@ import itertools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from engine.kv_cache import KVCacheManager
 from engine.outputs import RunnerOutput
 from engine.request import Request, RequestStatus
-from engine.step_cost import StepCostModel
+from engine.step_cost import StepCostModel, StepWork
 from engine.step_targets import StepTargets
 
 if TYPE_CHECKING:
     from engine.spec_decode import Proposal
-
-
-class StepWork(NamedTuple):
-    """What one step computed, as the step-cost fit reads it (`StepCostModel.observe`)."""
-
-    num_seqs: int
-    num_tokens: int
-    attended: int
-    """Context positions its tokens read (`SchedulerOutput.attended_positions`)."""
-    prompt_tokens: int
-    """Of its tokens, those of prompt chunks."""
-    prompt_attended: int
-    """Of its positions, those its prompt chunks read."""
 
 
 @dataclass

@@ -20,6 +20,7 @@ back what was rejected.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -31,7 +32,9 @@ from engine.kv_cache import KVCacheManager
 from engine.outputs import RunnerOutput
 from engine.request import Request
 from engine.sampler import draw, probs_for
-from engine.step_cost import StepCostModel
+from engine.step_cost import StepCostModel, StepWork
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -279,7 +282,8 @@ class Speculator:
         self.accepted_per_pos = [0] * self.max_k
 
     def propose(self, running: list[Request]) -> dict[Request, Proposal]:
-        """Drafts for the decoding requests that may speculate this step."""
+        """Drafts for the decoding requests that may speculate this step; none when the
+        proposer fails (speculation is optional)."""
         decoding = [r for r in running if _may_speculate(r)]
         if not decoding:
             return {}
@@ -288,7 +292,11 @@ class Speculator:
         if not wanted:
             return {}
         start_s = time.perf_counter()
-        drafts = self.proposer.propose(wanted)
+        try:
+            drafts = self.proposer.propose(wanted)
+        except Exception:  # noqa: BLE001 - a failing proposer costs the speedup, not requests
+            log.exception("draft proposal failed; this step runs without drafts")
+            return {}
         self._time_proposer(time.perf_counter() - start_s, sum(wanted.values()))
         return drafts
 
@@ -314,7 +322,7 @@ class Speculator:
         if not all(decodes):
             return  # a prefill chunk rode along: not a decode step
         num_drafts = sum(num_new_tokens.values()) - len(num_new_tokens)
-        self.decode_cost.observe(len(num_new_tokens), num_drafts, seconds)
+        self.decode_cost.observe(StepWork(len(num_new_tokens), num_drafts), seconds)
 
     def record(self, drafts: dict[Request, Proposal], result: RunnerOutput) -> None:
         """Count each verified draft (as scheduled) and let the draft length learn from it."""

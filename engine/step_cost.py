@@ -31,6 +31,7 @@ Three things keep this fit sane:
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 FORGETTING = 0.95
@@ -57,6 +58,19 @@ ATTENDED_UNIT = 1000
 
 Vector = list[float]
 Matrix = list[list[float]]
+
+
+class StepWork(NamedTuple):
+    """What one step computed, as the fit reads it (`SchedulerOutput.work` builds it)."""
+
+    num_seqs: int
+    num_tokens: int
+    attended: int = 0
+    """Context positions its tokens read (`SchedulerOutput.attended_positions`)."""
+    prompt_tokens: int = 0
+    """Of its tokens, those of prompt chunks."""
+    prompt_attended: int = 0
+    """Of its positions, those its prompt chunks read."""
 
 
 class StepCostFit(NamedTuple):
@@ -95,12 +109,9 @@ class StepCostModel:
         """The same, of prompt tokens alone."""
         self.num_observations = 0
 
-    def observe(
-        self, num_seqs: int, num_tokens: int, seconds: float, attended: int = 0,
-        prompt_tokens: int = 0, prompt_attended: int = 0,
-    ) -> None:  # fmt: skip
-        """Fold in one measured step, of which `prompt_tokens` tokens were prompt chunks'
-        reading `prompt_attended` positions."""
+    def observe(self, work: StepWork, seconds: float) -> None:
+        """Fold in one measured step."""
+        num_seqs, num_tokens, attended, prompt_tokens, prompt_attended = work
         x = [1.0, float(num_seqs), float(num_tokens), attended / ATTENDED_UNIT]
         predicted_s = _dot(x, self._fitted())
         weight = self._weight(predicted_s, seconds - predicted_s)
@@ -200,6 +211,27 @@ class StepCostModel:
             self.token_s(round(self._positions_per_token.value)),
             self.token_s(round(self._positions_per_prompt_token.value)),
         )  # fmt: skip
+
+
+class StepClock:
+    """When a step's cost starts counting: from the end of the step before when the engine
+    had work left then, else from the step's own start. What the loop does between steps
+    delays the next token as much as the forward pass does (19 ms a step on the offline
+    pool under bench_sla's overload), so a busy engine's steps are priced end to end."""
+
+    def __init__(self) -> None:
+        self._busy_since_s: float | None = None
+        """When the last step ended, if work was left then."""
+
+    def start(self) -> float:
+        """The step's starting time."""
+        return self._busy_since_s or time.perf_counter()
+
+    def stop(self, work_left: bool) -> float:
+        """The step's ending time; the next step counts from it when `work_left`."""
+        ended_s = time.perf_counter()
+        self._busy_since_s = ended_s if work_left else None
+        return ended_s
 
 
 class _RecentMean:

@@ -10,6 +10,7 @@ bad request), so refusals are counted where admissions are.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -301,10 +302,6 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 1)
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
-
-
 def _sum(field: str) -> Callable[[list[EngineStats]], float]:
     """The total of one EngineStats counter over the live replicas."""
     return lambda stats: sum(getattr(s, field) for s in stats)
@@ -317,7 +314,7 @@ _ENGINE_METRICS: tuple[tuple[type, str, str, Callable[[list[EngineStats]], float
     (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting in the engine.",
      _sum("num_waiting")),
     (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1, mean of replicas.",
-     lambda stats: _mean([s.kv_cache_usage for s in stats])),
+     lambda stats: _sum("kv_cache_usage")(stats) / max(len(stats), 1)),
     (GaugeMetricFamily, "tierserve:kv_cache_blocks", "KV blocks over the live replicas "
      "(more at the same memory with a quantized cache).", _sum("num_kv_blocks")),
     (GaugeMetricFamily, "tierserve:kv_max_num_seqs", "Sequences of max_model_len tokens the "
@@ -339,12 +336,8 @@ _ENGINE_METRICS: tuple[tuple[type, str, str, Callable[[list[EngineStats]], float
 
 def _accepted_per_pos(stats: list[EngineStats]) -> list[int]:
     """Accepted draft tokens at each draft position, summed over replicas."""
-    num_positions = max((len(s.spec_accepted_per_pos) for s in stats), default=0)
-    totals = [0] * num_positions
-    for replica in stats:
-        for position, count in enumerate(replica.spec_accepted_per_pos):
-            totals[position] += count
-    return totals
+    positions = itertools.zip_longest(*(s.spec_accepted_per_pos for s in stats), fillvalue=0)
+    return [sum(counts) for counts in positions]
 
 
 class _EngineCollector(Collector):

@@ -43,6 +43,7 @@ from engine.config import EngineConfig, QuantConfig, auto_dtype_name, default_ca
 from engine.engine import LLMEngine
 from engine.model.batch_invariance import request_reproducible_blas
 from engine.model.loader import partial_path, read_safetensors, resolve_model_dir
+from engine.step_cost import StepWork
 from testing.hub_checkpoints import TOKENIZER_FILES, write_fp8, write_int4
 
 BENCH = "models"
@@ -145,12 +146,10 @@ def _record_step_cost_errors(engine: LLMEngine) -> list[float]:
     fit, errors = engine.step_cost, []
     learn = fit.observe
 
-    def observe(
-        num_seqs: int, num_tokens: int, seconds: float, attended: int = 0, *prompt_work: int
-    ) -> None:
-        predicted = fit.step_s(num_seqs, num_tokens, attended)
+    def observe(work: StepWork, seconds: float) -> None:
+        predicted = fit.step_s(work.num_seqs, work.num_tokens, work.attended)
         errors.append(abs(predicted - seconds) / seconds)
-        learn(num_seqs, num_tokens, seconds, attended, *prompt_work)
+        learn(work, seconds)
 
     fit.observe = observe  # type: ignore[method-assign]
     return errors

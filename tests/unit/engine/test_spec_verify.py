@@ -271,3 +271,21 @@ def test_speculator_skips_requests_it_cannot_verify_exactly():
     assert drafts[plain] == [3, 1, 2]
     assert drafts[near_end] == [3]
     assert drafts[penalised] == drafts[min_tokens] == drafts[prefilling] == []
+
+
+class _FailingProposer(NgramProposer):
+    """An n-gram proposer whose every proposal raises, as a broken draft model would."""
+
+    def propose(self, requests: dict[Request, int]) -> dict[Request, Proposal]:
+        raise RuntimeError("draft model lost")
+
+
+def test_a_failing_proposer_costs_the_drafts_not_the_step(caplog):
+    speculator = Speculator(_FailingProposer(1, 3), max_k=4)
+    request = Request("r", [1, 2, 3, 1, 2], SamplingParams(max_tokens=16))
+    request.num_computed_tokens = 4
+    with caplog.at_level("ERROR", logger="engine.spec_decode"):
+        assert speculator.propose([request]) == {}
+    assert "draft proposal failed" in caplog.text
+    speculator.proposer = NgramProposer(1, 3)  # the next step drafts again
+    assert speculator.propose([request])[request].token_ids == [3, 1, 2]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.engine import CALIBRATION_STEPS
-from engine.step_cost import StepCostModel
+from engine.step_cost import StepCostModel, StepWork
 from testing.engine_helpers import drain, greedy
 
 
@@ -20,7 +20,7 @@ def test_fit_recovers_a_known_cost_line():
     for _ in range(400):
         num_seqs = rng.randint(1, 64)
         num_tokens = num_seqs + rng.choice([0, 0, 128, 256])
-        model.observe(num_seqs, num_tokens, 0.03 + 0.004 * num_seqs + 0.0012 * num_tokens)
+        model.observe(StepWork(num_seqs, num_tokens), 0.03 + 0.004 * num_seqs + 0.0012 * num_tokens)
     assert model.coefficients()[:3] == pytest.approx((0.03, 0.004, 0.0012), rel=0.02)
 
 
@@ -32,7 +32,7 @@ def test_fit_recovers_the_attention_term_and_folds_it_into_the_token_cost():
         context = rng.randint(1, 2000)
         attended = num_seqs * context + chunk * (context + chunk)
         seconds = 0.03 + 0.004 * num_seqs + 0.0012 * (num_seqs + chunk) + 2e-7 * attended
-        model.observe(num_seqs, num_seqs + chunk, seconds, attended)
+        model.observe(StepWork(num_seqs, num_seqs + chunk, attended), seconds)
     assert model.step_s(8, 100, 50_000) == pytest.approx(
         0.03 + 0.004 * 8 + 0.0012 * 100 + 2e-7 * 50_000, rel=0.02
     )
@@ -50,7 +50,9 @@ def test_a_prompt_token_is_priced_at_the_context_prompt_chunks_read():
         num_seqs, chunk, start = rng.randint(1, 16), rng.choice([0, 32, 64]), rng.randint(0, 64)
         attended = num_seqs * 2000 + chunk * (start + chunk)
         seconds = 0.02 + 0.002 * num_seqs + 0.001 * (num_seqs + chunk) + 5e-7 * attended
-        model.observe(num_seqs, num_seqs + chunk, seconds, attended, chunk, chunk * (start + chunk))
+        model.observe(
+            StepWork(num_seqs, num_seqs + chunk, attended, chunk, chunk * (start + chunk)), seconds
+        )
     fit = model.coefficients()
     assert fit.per_prompt_token_s < fit.per_token_s
     assert fit.per_prompt_token_s == pytest.approx(0.001 + 5e-7 * 80, rel=0.15)
@@ -61,7 +63,7 @@ def test_decode_only_load_keeps_predicting_right_and_stays_finite():
     model, rng = StepCostModel(), random.Random(1)
     for _ in range(5_000):
         n = rng.randint(1, 64)
-        model.observe(n, n, 0.02 + 0.005 * n)
+        model.observe(StepWork(n, n), 0.02 + 0.005 * n)
     base, per_seq, per_token, _ = model.coefficients()
     assert base + 32 * (per_seq + per_token) == pytest.approx(0.02 + 0.005 * 32, rel=0.01)
 
@@ -80,7 +82,7 @@ def test_recorded_pool_steps_are_predicted_and_the_fit_never_runs_away():
         if model.num_observations >= 20:
             predicted_s = model.step_s(int(num_seqs), int(num_tokens), int(attended))
             errors.append(abs(predicted_s - seconds) / seconds)
-        model.observe(int(num_seqs), int(num_tokens), seconds, int(attended))
+        model.observe(StepWork(int(num_seqs), int(num_tokens), int(attended)), seconds)
         base, per_seq, per_token, _ = model.coefficients()
         batch_1_s.append(base + per_seq + per_token)
     measured_batch_1_s = statistics.median(s for n, t, _, s in steps if n == 1 and t == 1)
@@ -94,9 +96,9 @@ def test_a_step_slowed_by_another_process_barely_moves_the_fit():
     model, rng = StepCostModel(), random.Random(3)
     for _ in range(200):
         n = rng.randint(1, 8)
-        model.observe(n, n, (0.03 + 0.002 * n) * rng.uniform(0.95, 1.05))
+        model.observe(StepWork(n, n), (0.03 + 0.002 * n) * rng.uniform(0.95, 1.05))
     before_s = model.step_s(4, 4, 0)
-    model.observe(4, 4, 10 * before_s)  # the core was taken for most of this step
+    model.observe(StepWork(4, 4), 10 * before_s)  # the core was taken for most of this step
     assert model.step_s(4, 4, 0) == pytest.approx(before_s, rel=0.03)
 
 
@@ -106,10 +108,10 @@ def test_a_lasting_change_of_speed_is_followed_within_50_steps():
     model, rng = StepCostModel(), random.Random(5)
     for _ in range(200):
         n = rng.randint(1, 4)
-        model.observe(n, n, (0.03 + 0.002 * n) * rng.uniform(0.95, 1.05))
+        model.observe(StepWork(n, n), (0.03 + 0.002 * n) * rng.uniform(0.95, 1.05))
     for _ in range(50):
         n = rng.randint(1, 4)
-        model.observe(n, n, 2 * (0.03 + 0.002 * n) * rng.uniform(0.95, 1.05))
+        model.observe(StepWork(n, n), 2 * (0.03 + 0.002 * n) * rng.uniform(0.95, 1.05))
     assert model.step_s(2, 2, 0) == pytest.approx(2 * 0.034, rel=0.1)
 
 
@@ -118,7 +120,7 @@ def test_load_that_ties_base_to_batch_size_leaves_every_term_non_negative():
     the fit keeps both at least 0 and their sum right."""
     model, rng = StepCostModel(), random.Random(4)
     for _ in range(2_000):
-        model.observe(4, 4 + rng.choice([0, 3, 8]), 0.034 * rng.uniform(0.9, 1.1), 800)
+        model.observe(StepWork(4, 4 + rng.choice([0, 3, 8]), 800), 0.034 * rng.uniform(0.9, 1.1))
     fit = model.coefficients()
     assert min(fit) >= 0
     assert model.step_s(4, 4, 800) == pytest.approx(0.034, rel=0.05)
@@ -158,11 +160,9 @@ def recorded_steps(engine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, i
     observed: list[tuple[int, int, float, int]] = []
     observe = engine.step_cost.observe
 
-    def recording(
-        num_seqs: int, num_tokens: int, seconds: float, attended: int = 0, *prompt_work: int
-    ) -> None:
-        observed.append((num_seqs, num_tokens, seconds, attended))
-        observe(num_seqs, num_tokens, seconds, attended, *prompt_work)
+    def recording(work: StepWork, seconds: float) -> None:
+        observed.append((work.num_seqs, work.num_tokens, seconds, work.attended))
+        observe(work, seconds)
 
     monkeypatch.setattr(engine.step_cost, "observe", recording)
     return observed

@@ -9,7 +9,7 @@ from test_scheduler import FakeModel, make_scheduler, scheduled
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.step_cost import StepCostModel
+from engine.step_cost import StepCostModel, StepWork
 
 BASE_S, PER_SEQ_S, PER_TOKEN_S = 0.010, 0.001, 0.001
 TARGET_S = 0.020
@@ -20,9 +20,8 @@ def fitted_cost() -> StepCostModel:
     model = StepCostModel()
     for num_seqs in range(1, 9):
         for num_tokens in (num_seqs, num_seqs + 40, num_seqs + 200):
-            model.observe(
-                num_seqs, num_tokens, BASE_S + PER_SEQ_S * num_seqs + PER_TOKEN_S * num_tokens
-            )
+            seconds = BASE_S + PER_SEQ_S * num_seqs + PER_TOKEN_S * num_tokens
+            model.observe(StepWork(num_seqs, num_tokens), seconds)
     return model
 
 
@@ -147,7 +146,7 @@ def test_a_chunk_late_in_a_long_prompt_is_cut_shorter_than_an_early_one():
     for num_seqs, num_tokens, attended in [(1, 1, 10), (4, 4, 4000), (1, 256, 70_000),
                                            (2, 512, 400_000), (3, 100, 150_000)] * 20:  # fmt: skip
         seconds = BASE_S + PER_SEQ_S * num_seqs + PER_TOKEN_S * num_tokens + 1e-7 * attended
-        scheduler.step_cost.observe(num_seqs, num_tokens, seconds, attended)
+        scheduler.step_cost.observe(StepWork(num_seqs, num_tokens, attended), seconds)
     model = FakeModel(scheduler)
     for i in range(3):
         scheduler.add(request(f"stream{i}", 2, priority=0, target_s=0.2))
