@@ -14,8 +14,14 @@ actor or a socket: the engine stays free of Ray, and a read is a directory scan 
 entries. The file stands for the whole time an engine has work, not for a step: a step
 of the offline pool takes up to a second here, and an engine that read "idle" during
 it would take the core that step runs on. What a busy engine declares is its demand,
-not the CPU it got, so an engine starved by an elastic one still counts. A file whose
-process has died (killed before it could remove it) is deleted by the next reader.
+not the CPU it got, so an engine starved by an elastic one still counts.
+
+The declaring engine holds a lock on its file (flock) for as long as the file stands, so
+a reader tells a live declaration from a stale one by trying the lock: the kernel drops
+a dead process's locks, however it died. A file judged by its process id alone looked
+alive again once that id went to a new process: ids wrap at 32,768 here, every Serve
+deployment starts dozens of processes, and nine files of killed engines from earlier
+runs were found in the directory. A stale file is deleted by the reader that finds it.
 
 Thread count and output: the engine's matmuls and kernels give the same bits at 1 and 2
 threads (checked step by step in tests/unit/engine/test_elastic_threads.py), so a seeded
@@ -24,6 +30,8 @@ request's text does not depend on what the other pools were doing.
 
 from __future__ import annotations
 
+import fcntl
+import itertools
 import os
 import tempfile
 from pathlib import Path
@@ -39,26 +47,45 @@ class NodeDemand:
     def __init__(self, directory: Path = DEMAND_DIR) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self._directory = directory
-        self._own = directory / f"{os.getpid()}-{id(self)}"
-        self._busy = False
+        self._prefix = f"{os.getpid()}-{id(self)}"
+        self._declarations = itertools.count()
+        self._declared: tuple[Path, int] | None = None
+        """The standing declaration's file and the descriptor holding its lock."""
 
     def set_busy(self, busy: bool) -> None:
         """This engine has work now (a step is about to run), or has none left."""
-        if busy and not self._busy:
-            self._own.touch()
-        elif self._busy and not busy:
-            self._own.unlink(missing_ok=True)
-        self._busy = busy
+        if busy and self._declared is None:
+            self._declared = self._declare()
+        elif not busy and self._declared is not None:
+            path, fd = self._declared
+            path.unlink(missing_ok=True)
+            os.close(fd)
+            self._declared = None
 
     def others_busy(self) -> bool:
         """Another live engine on this machine has declared work."""
         with os.scandir(self._directory) as entries:
-            others = [e.name for e in entries if e.name != self._own.name]
-        return any(_declared_by_live_process(self._directory / name) for name in others)
+            others = [
+                e.name for e in entries
+                if not e.name.startswith((".", self._prefix))
+            ]  # fmt: skip
+        return any(_stands(self._directory / name) for name in others)
 
     def close(self) -> None:
         """This engine is gone: its declaration with it."""
         self.set_busy(False)
+
+    def _declare(self) -> tuple[Path, int]:
+        """A new file, locked before it is given its readable name (a reader never finds
+        it unlocked), and a name never used before, so a reader deleting a stale file
+        never deletes a later one."""
+        name = f"{self._prefix}-{next(self._declarations)}"
+        hidden = self._directory / f".{name}"
+        fd = os.open(hidden, os.O_CREAT | os.O_WRONLY, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        path = self._directory / name
+        hidden.rename(path)
+        return path, fd
 
 
 class ElasticThreads:
@@ -76,15 +103,18 @@ class ElasticThreads:
             torch.set_num_threads(threads)
 
 
-def _declared_by_live_process(path: Path) -> bool:
-    """The declaration's process (the pid its name starts with) still runs; a dead one's
-    file is deleted."""
-    pid = int(path.name.split("-", 1)[0])
+def _stands(path: Path) -> bool:
+    """The declaration's engine still holds its lock; a stale one's file is deleted."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # withdrawn meanwhile
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    else:
         path.unlink(missing_ok=True)
         return False
-    except PermissionError:  # another user's process: alive
-        pass
-    return True
+    finally:
+        os.close(fd)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import ctypes
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
+from bench.paths import REPO_ROOT
 from engine.config import EngineConfig
 from engine.elastic_threads import DEMAND_DIR, ElasticThreads, NodeDemand
 from engine.engine import LLMEngine
@@ -55,18 +57,41 @@ def test_a_declaration_stands_however_long_the_step_takes(tmp_path) -> None:
     assert interactive.others_busy()
 
 
-def test_a_dead_process_declaration_is_not_busy_and_is_deleted(tmp_path) -> None:
-    declared = tmp_path / f"{_exited_pid()}-1"
+def test_a_declaration_nobody_holds_is_not_busy_and_is_deleted(tmp_path) -> None:
+    """Named after a live process (as a killed engine's file is once its id is reused),
+    but unlocked: stale."""
+    declared = tmp_path / f"{os.getppid()}-1-0"
     declared.touch()
 
     assert not NodeDemand(tmp_path).others_busy()
     assert not declared.exists()
 
 
-def _exited_pid() -> int:
-    process = subprocess.Popen(["true"])
-    process.wait()
-    return process.pid
+def test_a_killed_engines_declaration_stops_counting(tmp_path) -> None:
+    engine = subprocess.Popen(
+        [sys.executable, "-c", DECLARE_AND_WAIT, str(tmp_path)],
+        stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+    )  # fmt: skip
+    try:
+        assert engine.stdout is not None and engine.stdout.readline() == "declared\n"
+        assert NodeDemand(tmp_path).others_busy()
+    finally:
+        engine.kill()
+        engine.wait()
+    assert not NodeDemand(tmp_path).others_busy()
+    assert not list(tmp_path.iterdir())
+
+
+DECLARE_AND_WAIT = """
+import sys, time
+from pathlib import Path
+from engine.elastic_threads import NodeDemand
+NodeDemand(Path(sys.argv[1])).set_busy(True)
+print("declared", flush=True)
+time.sleep(600)
+"""
+"""An engine's declaration in a process of its own, which the test kills (SIGKILL: nothing
+of the engine's own runs to withdraw it)."""
 
 
 def test_an_elastic_engine_takes_its_alone_threads_only_while_the_others_idle(
