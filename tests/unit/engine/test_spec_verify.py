@@ -178,15 +178,25 @@ def test_best_draft_len_weighs_acceptance_against_token_cost():
     assert lengths == sorted(lengths) and lengths[0] == 0 and lengths[-1] == 8
 
 
-def expected_rate(alpha: float, cost: float, k: int) -> float:
-    return sum(alpha**i for i in range(k + 1)) / (1 + cost * k)
+def test_a_draft_pays_for_the_tokens_it_delays_in_the_rest_of_the_batch():
+    """12 streams at alpha 0.28 (the interactive pool's on bench_sla's chat prompts), a
+    draft token ~4% of the step: alone each would draft; in the batch none pays for the
+    tokens it delays."""
+    assert best_draft_len(0.28, 0.036, 8) > 0
+    assert best_draft_len(0.28, 0.036, 8, other_rows=11) == 0
+    assert best_draft_len(0.9, 0.036, 8, other_rows=11) >= 4  # a copying stream still drafts
+
+
+def expected_rate(alpha: float, cost: float, k: int, other_rows: int) -> float:
+    return (other_rows + sum(alpha**i for i in range(k + 1))) / (1 + cost * k)
 
 
 @pytest.mark.parametrize("alpha", [0.05, 0.3, 0.6, 0.95])
 @pytest.mark.parametrize("cost", [0.0, 0.01, 0.1, 0.5])
-def test_best_draft_len_is_the_argmax(alpha, cost):
-    best = best_draft_len(alpha, cost, 8)
-    rates = [expected_rate(alpha, cost, k) for k in range(9)]
+@pytest.mark.parametrize("other_rows", [0, 3, 11])
+def test_best_draft_len_is_the_argmax(alpha, cost, other_rows):
+    best = best_draft_len(alpha, cost, 8, other_rows)
+    rates = [expected_rate(alpha, cost, k, other_rows) for k in range(9)]
     assert rates[best] == pytest.approx(max(rates))
 
 
