@@ -47,7 +47,8 @@ class NodeDemand:
     def __init__(self, directory: Path = DEMAND_DIR) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self._directory = directory
-        self._prefix = f"{os.getpid()}-{id(self)}"
+        self._prefix = f"{os.getpid()}-{id(self)}-"
+        """Its declarations' names start with this, and no other engine's do."""
         self._declarations = itertools.count()
         self._declared: tuple[Path, int] | None = None
         """The standing declaration's file and the descriptor holding its lock."""
@@ -79,7 +80,7 @@ class NodeDemand:
         """A new file, locked before it is given its readable name (a reader never finds
         it unlocked), and a name never used before, so a reader deleting a stale file
         never deletes a later one."""
-        name = f"{self._prefix}-{next(self._declarations)}"
+        name = f"{self._prefix}{next(self._declarations)}"
         hidden = self._directory / f".{name}"
         fd = os.open(hidden, os.O_CREAT | os.O_WRONLY, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX)
