@@ -152,7 +152,7 @@ class LLMEngine:
         result = self._execute(scheduled)
         kept = self.scheduler.update(scheduled, result)
         outputs = [self._emit(request, token_ids, result) for request, token_ids in kept.items()]
-        self.counters.count_generated(sum(len(o.new_token_ids) for o in outputs))
+        self.counters.count_step(sum(len(o.new_token_ids) for o in outputs), work.prompt_tokens)
         ended_s = self.clock.stop(work_left=self.has_unfinished())
         if len(result.failed) < len(scheduled.num_new_tokens):  # not a failed forward pass
             self._learn_cost(scheduled, work, ended_s - began_s)
@@ -229,6 +229,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.scheduler.num_preemptions,
             generation_tokens_per_s=self.counters.generation_rate(),
+            prompt_tokens_computed_per_s=self.counters.prompt_compute_rate(),
             num_prompt_tokens=self.counters.num_prompt_tokens,
             num_generation_tokens=self.counters.num_generation_tokens,
             max_num_seqs=self.config.max_num_seqs,

@@ -115,6 +115,9 @@ class EngineStats:
     """Requests preempted (KV blocks reclaimed, recomputed later) so far."""
     generation_tokens_per_s: float
     """Output tokens per second over a recent window."""
+    prompt_tokens_computed_per_s: float = 0.0
+    """Prompt tokens computed (prefix-cache hits not counted) per second over a recent
+    window, idle time included: what new prompts add to the steps decodes run in."""
     num_prompt_tokens: int = 0
     """Prompt tokens admitted so far (a counter, for metrics)."""
     num_generation_tokens: int = 0

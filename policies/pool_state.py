@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_PROMPT_TIME_SHARE = 0.8
+"""A decode step is predicted at most 5 times as long for the prompts arriving beside it
+(`PoolState.prompt_time_share`): the measured rate lags a change of load by its window."""
+
 
 @dataclass(frozen=True)
 class StepCost:
@@ -82,6 +86,17 @@ class PoolState:
     (1 - EngineStats.prefix_cache_hit_rate). Counted whole, bench_sla's chat prompts, a
     quarter of them a shared template, were predicted a third more prefill steps than
     they took."""
+
+    prompt_tokens_per_s: float = 0.0
+    """Per replica: the prompt tokens it computed per second of late, idle time included
+    (EngineStats.prompt_tokens_computed_per_s). New prompts keep arriving while a request
+    decodes, and their chunks share its steps."""
+
+    @property
+    def prompt_time_share(self) -> float:
+        """The share of a replica's time its arriving prompts take, at the fitted cost of a
+        prompt token; at most MAX_PROMPT_TIME_SHARE."""
+        return min(MAX_PROMPT_TIME_SHARE, self.cost.prompt_s(self.prompt_tokens_per_s))
 
     def prompt_tokens_computed(self, num_prompt_tokens: float) -> float:
         """Of `num_prompt_tokens` prompt tokens, those a replica is expected to compute."""

@@ -107,6 +107,8 @@ class FakeEngine:
         self._running: set[str] = set()
         self.alive = True
         """Set False to play an engine whose step loop died."""
+        self.prompt_tokens_computed_per_s = 0.0
+        """What `stats()` reports as the recent prompt rate."""
         self.spec_accepted_per_pos: list[int] = []
         """Accepted draft tokens per position; non-empty plays a speculating engine."""
 
@@ -206,6 +208,7 @@ class FakeEngine:
             prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=0,
             generation_tokens_per_s=0.0,
+            prompt_tokens_computed_per_s=self.prompt_tokens_computed_per_s,
             spec_num_drafts=FAKE_NUM_DRAFTS if self.spec_accepted_per_pos else 0,
             spec_num_draft_tokens=FAKE_NUM_DRAFTS * len(self.spec_accepted_per_pos),
             spec_num_accepted_tokens=sum(self.spec_accepted_per_pos),

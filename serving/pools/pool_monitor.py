@@ -135,6 +135,9 @@ class PoolMonitor:
             tokens_computed_per_decode=computed,
             tokens_gained_per_decode=gained,
             prompt_share_computed=_prompt_share_computed(stats),
+            prompt_tokens_per_s=statistics.fmean(
+                [s.prompt_tokens_computed_per_s for s in stats] or [0.0]
+            ),
         )
 
     def states(self) -> dict[str, PoolState]:

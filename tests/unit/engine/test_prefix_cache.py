@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.engine import LLMEngine
+from engine.token_counters import RATE_WINDOW_S
 from testing.engine_helpers import greedy, run_requests
 
 SYSTEM = (
@@ -96,3 +97,21 @@ def test_request_finishing_in_its_first_step_still_fills_the_cache(engine, token
     run_requests(engine, {"again": (prompt, greedy(1))})
     block = engine.config.block_size
     assert engine.stats().prefix_cache_hits - hits_before == (len(prompt) - 1) // block * block
+
+
+def test_the_prompt_rate_counts_the_tokens_computed_not_those_the_cache_held(
+    make_engine, tokenizer
+):
+    """`prompt_tokens_computed_per_s` (what placement stretches a decode step by) counts a
+    prompt's computed tokens over the rate window: not what the prefix cache held, not the
+    output tokens."""
+    engine = make_engine()
+    engine.counters.reset()  # the engine is shared: earlier tests' steps out of the window
+    first = tokenizer.encode(SYSTEM + "Question: where are the sea charts?")
+    second = tokenizer.encode(SYSTEM + "Question: do you have a herbal?")
+    a = run_requests(engine, {"first": (first, PARAMS)})["first"]
+    b = run_requests(engine, {"second": (second, PARAMS)})["second"]
+    computed = len(first) + len(second) - a.num_cached_tokens - b.num_cached_tokens
+    assert b.num_cached_tokens > 0
+    rate = engine.stats().prompt_tokens_computed_per_s
+    assert rate * RATE_WINDOW_S == pytest.approx(computed)

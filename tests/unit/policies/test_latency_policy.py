@@ -11,7 +11,7 @@ import pytest
 from engine.grammar import mask_cost_s
 from policies.latency import drain_s, predict, step_in_progress_s
 from policies.placement import RequestShape, place
-from policies.pool_state import InFlightSequence
+from policies.pool_state import MAX_PROMPT_TIME_SHARE, InFlightSequence
 from testing.synthetic_pools import COST, STANDARD, decoding, pool
 
 
@@ -94,6 +94,27 @@ def test_a_target_keeps_less_urgent_work_out_of_the_time_per_token():
     assert targeted.tpot_s == pytest.approx(0.025)
     tight = predict(bulk, priority=0, num_prompt_tokens=10, tpot_target_s=0.001)
     assert tight.tpot_s == pytest.approx(COST.step_s(1, 1))  # out of reach: alone at best
+
+
+def test_prompts_that_keep_arriving_stretch_the_time_per_token_within_the_targets_rules():
+    """The decodes' steps stretch by 1 / (1 - the share of the time arriving prompts take):
+    here 1,200 prompt tokens a second at 0.5 ms, 0.6 of it. With a target, the steps stay
+    within it, except that a prompt with that target may lengthen the due decodes by
+    PROMPT_FLOOR_SHARE of theirs (by all of it where they alone pass the target)."""
+    busy = replace(pool("fast", decoding(0, 3)), prompt_tokens_per_s=1200.0)
+    assert busy.prompt_time_share == pytest.approx(0.6)
+    decodes_s = COST.step_s(4, 4)  # 16 ms
+    stretched_s = decodes_s / 0.4
+    assert predict(busy, priority=0, num_prompt_tokens=10).tpot_s == pytest.approx(stretched_s)
+    roomy = predict(busy, priority=0, num_prompt_tokens=10, tpot_target_s=0.1)
+    assert roomy.tpot_s == pytest.approx(stretched_s)
+    tight = predict(busy, priority=0, num_prompt_tokens=10, tpot_target_s=0.018)
+    assert tight.tpot_s == pytest.approx(1.5 * decodes_s)
+    out_of_reach = predict(busy, priority=0, num_prompt_tokens=10, tpot_target_s=0.001)
+    assert out_of_reach.tpot_s == pytest.approx(2 * decodes_s)
+    flooded = replace(busy, prompt_tokens_per_s=1e6)
+    assert flooded.prompt_time_share == MAX_PROMPT_TIME_SHARE
+    assert predict(flooded, 0, 10).tpot_s == pytest.approx(decodes_s / (1 - MAX_PROMPT_TIME_SHARE))
 
 
 def test_a_target_keeps_less_urgent_decodes_out_of_its_prompts_steps():

@@ -121,6 +121,21 @@ def test_interactive_is_shed_only_when_its_own_demand_is_too_much():
     assert decision.retry_after_s is not None and decision.retry_after_s >= 1
 
 
+def test_a_protected_request_is_not_kept_past_its_tpot_on_its_own_pool_that_meets_it_idle():
+    """Its own pool has a first token in time, but with the prompts arriving there (0.6 of
+    the time) its steps pass the 25 ms TPOT, which the idle pool meets: the request goes
+    where the TPOT holds, and is refused where no pool's does."""
+    crowded = replace(pool("fast", decoding(0, 5), max_num_seqs=12), prompt_tokens_per_s=1200.0)
+    assert predict(crowded, 0, 50, INTERACTIVE.tpot_target_s).tpot_s > 0.025
+    pools = {"fast": crowded, "bulk": pool("bulk", max_num_seqs=64)}
+    assert place(INTERACTIVE, RequestShape(50, 64), pools).pool == "bulk"
+    busy_bulk = replace(pool("bulk", decoding(0, 8), max_num_seqs=64), prompt_tokens_per_s=1200.0)
+    refused = place(INTERACTIVE, RequestShape(50, 64), {**pools, "bulk": busy_bulk})
+    assert (refused.pool, refused.reason) == (None, "shed_slo")
+    idle_home = {**pools, "fast": replace(crowded, prompt_tokens_per_s=0.0)}
+    assert place(INTERACTIVE, RequestShape(50, 64), idle_home).pool == "fast"
+
+
 def test_a_pool_too_slow_for_the_tpot_even_idle_takes_no_protected_overflow():
     slow = StepCost(base_s=0.040, per_seq_s=0.001, per_token_s=0.0005)  # 41.5 ms idle > 25
     full_fast = pool("fast", decoding(0, 4, remaining=500), max_queued=0)

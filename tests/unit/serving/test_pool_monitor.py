@@ -171,3 +171,14 @@ def test_the_typical_output_length_is_the_mean_of_the_first_sequences_then_recen
         for _ in range(100):
             finish(200)
         assert expected_left() == 200
+
+
+def test_the_replicas_prompt_rate_reaches_the_latency_model() -> None:
+    """Placement stretches a decode step by the prompts the replicas compute, at their
+    mean rate (0 before a poll)."""
+    engine = FakeEngine(EngineConfig())
+    monitor = PoolMonitor({"up": POOLS["up"]}, {"up": FakePoolHandle(engine)}, POLL_INTERVAL_S)
+    assert monitor.state("up").prompt_tokens_per_s == 0.0
+    engine.prompt_tokens_computed_per_s = 250.0
+    asyncio.run(monitor.poll_once())
+    assert monitor.state("up").prompt_tokens_per_s == 250.0
