@@ -140,13 +140,13 @@ def _decoding_step_s(
     floor_share: float,
 ) -> float:  # fmt: skip
     """A step the new request decodes in: the batch's decodes, and the chunks of the prompts
-    that keep arriving, which take `prompt_time_share` of the time (the rest, the decodes'
-    steps, stretches by 1 / (1 - share)). With a target, the engine holds that to the target,
-    less urgent work riding only up to it, but never cuts the due decodes, and a prompt with
+    that keep arriving, which take `prompt_time_share` of the time (so the decodes' steps
+    stretch by 1 / (1 - share)). With a target, the engine holds that to the target, less
+    urgent work riding only up to it, but never cuts the due decodes, and a prompt with
     the tightest target may lengthen them by `floor_share` (all of it where they alone pass
-    the target: engine/step_targets.py). Without
-    the arriving prompts, bench_sla's interactive pool under overload was predicted 27 ms a
-    token where it gave 39 (1.0x at light load), and admitted streams past its SLO."""
+    the target: engine/step_targets.py). Without the arriving prompts, bench_sla's
+    interactive pool under overload was predicted 27 ms a token where it gave 39 (1.0x at
+    light load), and admitted streams past its SLO."""
     decodes_s = pool.decode_step_s(_batch(pool, len(pool.in_flight) + 1))
     with_prompts = 1.0 / (1.0 - pool.prompt_time_share)
     if tpot_target_s is None:
@@ -156,8 +156,22 @@ def _decoding_step_s(
     decodes_s = max(held_s, min(decodes_s, tpot_target_s))
     if floor_share > 0 and held_s >= tpot_target_s:  # out of reach: at the decodes' pace
         floor_share = 1.0
+    floor_share *= _floored_share(pool, priority)
     prompts_cap_s = max(tpot_target_s, (1.0 + floor_share) * held_s)
     return max(decodes_s, min(decodes_s * with_prompts, prompts_cap_s))
+
+
+def _floored_share(pool: PoolState, priority: int) -> float:
+    """Of the prompts arriving, the share taken to prefill with a floor beside a new request
+    of `priority`: those with a target, as urgent or more, as the sequences in flight are
+    (all, on an idle pool). The rest ride only in the room the target leaves: the engine gives
+    a floor only to the first prompt with a target where no tighter one decodes
+    (engine/step_targets.py `floor_share`), never to batch work's prompts, which are most of
+    what arrives on the offline pool."""
+    if not pool.in_flight:
+        return 1.0
+    floored = sum(s.tpot_target_s is not None and s.priority <= priority for s in pool.in_flight)
+    return floored / len(pool.in_flight)
 
 
 def step_in_progress_s(pool: PoolState) -> float:

@@ -209,9 +209,9 @@ def _tpot_limit_ms(
     """The time per token a `protect` request may be placed at: its tier's target where its
     own pool (the best candidate, when its own cannot take it) meets that idle; where even
     the idle pool does not (the hardware is below the SLO), what its own pool gives it now,
-    so that overflow makes it no worse. Exempt from the target at home whatever its load,
-    bench_sla's interactive pool took streams at 41 ms a token against a 35 ms SLO it
-    meets at 15 ms idle, and missed it for most of them."""
+    so that overflow makes it no worse. While a request was exempt from the target at home
+    whatever the load there, bench_sla's interactive pool took streams at 41 ms a token
+    against a 35 ms SLO it meets at 15 ms idle, and most of them missed it."""
     home = (
         tier.pool
         if tier.pool in predictions

@@ -13,6 +13,9 @@ with one batch size, every tier first come first served.
    its Retry-After before its next. Per tier: goodput (share of admitted
    requests meeting both SLOs), sheds, and sheds of interactive requests while
    batch requests were running; output tokens per second against the shared pool.
+   Then (tierserve only) the overload's interactive streams alone, nothing else
+   running: what is refused of interactive demand alone, which batch work did not
+   cause.
 2. Protect (tierserve only): a light interactive load, well within what the
    interactive pool serves alone (PROTECT_MIX), beside a heavy standard and
    batch load, against the same deployment with the interactive load alone and
@@ -130,6 +133,14 @@ async def protect(client: Client, plan: Plan) -> dict[str, Window]:
     return windows
 
 
+async def interactive_demand(client: Client, plan: Plan) -> Window:
+    """The overload's interactive streams with nothing else running: what the deployment
+    refuses of that demand alone (refusals beyond it under the overload are batch work's)."""
+    streams = [tier for tier in overload_streams(plan) if tier == "interactive"]
+    log(f"--- overload's interactive streams alone: {len(streams)} for {plan.overload_s:.0f} s")
+    return await timed(client, streams, plan.overload_s, plan.settle_s)
+
+
 async def offered_load(client: Client, rate: float, seconds: float, seed: int) -> None:
     """Open loop: Poisson arrivals at `rate` per second, tiers drawn 1:1:1."""
     rng, tasks = random.Random(seed), []
@@ -201,6 +212,7 @@ async def run_deployment(
             result["cost"] = await pool_costs(http)
             if with_protect:
                 result["protect"] = await protect(client, plan)
+                result["interactive_demand"] = await interactive_demand(client, plan)
             for i, rate in enumerate(plan.rates):
                 client.outcomes = []
                 log(f"--- {name}: {rate} requests/s for {plan.rate_s:.0f} s")
@@ -208,6 +220,7 @@ async def run_deployment(
                 result["rates"][rate] = goodput(client, client.outcomes, "interactive")
             result["client"] = client
             windows = [result["overload"], *result.get("protect", {}).values()]
+            windows += [result["interactive_demand"]] if with_protect else []
             add_server_timings([o for window in windows for o in window.outcomes])
     return result
 

@@ -30,12 +30,15 @@ def report(ours: dict[str, Any], shared: dict[str, Any], factor: float, out: Pat
         emit(BENCH, "ratio.cost_per_1k.offline_vs_interactive", ratio, "x", **extra, **costs)
     _report_prediction_error(ours["client"], ours["overload"].outcomes, extra)
     _report_ttft_breakdown(ours["overload"].outcomes, extra)
-    for phase, window in {"overload": ours["overload"], **ours["protect"]}.items():
+    phases = {
+        "overload": ours["overload"], **ours["protect"],
+        "interactive_demand": ours["interactive_demand"],
+    }  # fmt: skip
+    for phase, window in phases.items():
         for kind, cores in window.cpu_shares.items():
             if cores >= 0.01:
                 emit(BENCH, f"cpu_cores.{phase}.{kind}", cores, "cores", **extra)
     _plot(ours["rates"], shared["rates"], out / "sla_goodput_vs_load.png")
-    phases = {"overload": ours["overload"], **ours["protect"]}
     for name, window in phases.items():
         with open(out / f"sla_{name}_requests.jsonl", "w") as f:
             for outcome in window.outcomes:
@@ -56,6 +59,11 @@ def _report_overload(ours: dict[str, Any], shared: dict[str, Any], extra: dict) 
     reasons = Counter(o.refusal_reason for o in refused if o.batch_running_at_refusal > 0)
     emit(BENCH, "shed.interactive_while_batch_running", sum(reasons.values()), "requests",
          reasons=dict(reasons), **extra)  # fmt: skip
+    alone = ours["interactive_demand"].outcomes
+    shed_alone = sum(o.tier == "interactive" and o.status == 429 for o in alone)
+    emit(BENCH, "shed.interactive.overload_streams_alone", shed_alone, "requests", **extra)
+    emit(BENCH, "goodput.interactive.overload_streams_alone",
+         goodput(client, alone, "interactive"), "share", **extra)  # fmt: skip
     streaming = sheds_while_batch_streams(outcomes)
     emit(BENCH, "shed.interactive_while_batch_streaming", len(streaming), "requests",
          reasons=dict(Counter(o.refusal_reason for o in streaming)), **extra)  # fmt: skip

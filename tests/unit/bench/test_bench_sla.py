@@ -245,13 +245,14 @@ def test_every_phase_reports_from_streamed_requests(
         async with httpx.AsyncClient(transport=transport, base_url="http://bench") as http:
             client = Client(http, {t.name: t for t in configured.tiers}, "m")
             streams = protect_streams(["interactive", "batch"])
-            names = ("alone", "no_interactive", "protect", "overload")
+            names = ("alone", "no_interactive", "protect", "overload", "interactive_demand")
             # A second each: CI's loaded machine once stalled a 0.2 s window past its last token.
             windows = {name: await timed(client, streams, 1.0, settle_s=0.1) for name in names}
         rates, cost = {1.0: 1.0, 3.0: 0.5}, {"interactive": 1.0, "offline": 0.5}
         protect = {name: windows[name] for name in names[:3]}
         return {"client": client, "overload": windows["overload"], "protect": protect,
-                "rates": rates, "cost": cost}  # fmt: skip
+                "interactive_demand": windows["interactive_demand"], "rates": rates,
+                "cost": cost}  # fmt: skip
 
     ours = asyncio.run(run())
     overload = ours["overload"]
@@ -271,4 +272,6 @@ def test_every_phase_reports_from_streamed_requests(
         "prediction_error_ms.ttft.p95.offline", "prediction_error_ms.tpot.p50.interactive",
         "goodput.interactive.overload", "goodput.interactive.tierserve_at_shared70",
         "prediction_error_share_of_slo.ttft.p50.interactive",
+        "shed.interactive.overload_streams_alone", "goodput.interactive.overload_streams_alone",
     } <= metrics  # fmt: skip
+    assert (tmp_path / "sla_interactive_demand_requests.jsonl").read_text()

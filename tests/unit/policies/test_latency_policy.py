@@ -11,7 +11,7 @@ import pytest
 from engine.grammar import mask_cost_s
 from policies.latency import drain_s, predict, step_in_progress_s
 from policies.placement import RequestShape, place
-from policies.pool_state import MAX_PROMPT_TIME_SHARE, InFlightSequence
+from policies.pool_state import MAX_PROMPT_TIME_SHARE, InFlightSequence, PoolState
 from testing.synthetic_pools import COST, STANDARD, decoding, pool
 
 
@@ -100,19 +100,23 @@ def test_prompts_that_keep_arriving_stretch_the_time_per_token_within_the_target
     """The decodes' steps stretch by 1 / (1 - the share of the time arriving prompts take):
     here 1,200 prompt tokens a second at 0.5 ms, 0.6 of it. With a target, the steps stay
     within it, except that a prompt with that target may lengthen the due decodes by
-    PROMPT_FLOOR_SHARE of theirs (by all of it where they alone pass the target)."""
-    busy = replace(pool("fast", decoding(0, 3)), prompt_tokens_per_s=1200.0)
-    assert busy.prompt_time_share == pytest.approx(0.6)
+    PROMPT_FLOOR_SHARE of theirs (by all of it where they alone pass the target), if the
+    prompts arriving are like those in flight, with a target; without one, they only fill
+    the room the target leaves."""
+
+    def busy(target_s: float | None) -> PoolState:
+        streams = [replace(s, tpot_target_s=target_s) for s in decoding(0, 3)]
+        return replace(pool("fast", streams), prompt_tokens_per_s=1200.0)
+
+    assert busy(None).prompt_time_share == pytest.approx(0.6)
     decodes_s = COST.step_s(4, 4)  # 16 ms
     stretched_s = decodes_s / 0.4
-    assert predict(busy, priority=0, num_prompt_tokens=10).tpot_s == pytest.approx(stretched_s)
-    roomy = predict(busy, priority=0, num_prompt_tokens=10, tpot_target_s=0.1)
-    assert roomy.tpot_s == pytest.approx(stretched_s)
-    tight = predict(busy, priority=0, num_prompt_tokens=10, tpot_target_s=0.018)
-    assert tight.tpot_s == pytest.approx(1.5 * decodes_s)
-    out_of_reach = predict(busy, priority=0, num_prompt_tokens=10, tpot_target_s=0.001)
-    assert out_of_reach.tpot_s == pytest.approx(2 * decodes_s)
-    flooded = replace(busy, prompt_tokens_per_s=1e6)
+    assert predict(busy(None), 0, 10).tpot_s == pytest.approx(stretched_s)
+    for target_s, expected_s in ((0.1, stretched_s), (0.018, 1.5 * decodes_s),
+                                 (0.001, 2 * decodes_s)):  # fmt: skip
+        assert predict(busy(target_s), 0, 10, target_s).tpot_s == pytest.approx(expected_s)
+    assert predict(busy(None), 0, 10, 0.018).tpot_s == pytest.approx(0.018)  # room only
+    flooded = replace(busy(None), prompt_tokens_per_s=1e6)
     assert flooded.prompt_time_share == MAX_PROMPT_TIME_SHARE
     assert predict(flooded, 0, 10).tpot_s == pytest.approx(decodes_s / (1 - MAX_PROMPT_TIME_SHARE))
 

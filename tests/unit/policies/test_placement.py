@@ -125,11 +125,14 @@ def test_a_protected_request_is_not_kept_past_its_tpot_on_its_own_pool_that_meet
     """Its own pool has a first token in time, but with the prompts arriving there (0.6 of
     the time) its steps pass the 25 ms TPOT, which the idle pool meets: the request goes
     where the TPOT holds, and is refused where no pool's does."""
-    crowded = replace(pool("fast", decoding(0, 5), max_num_seqs=12), prompt_tokens_per_s=1200.0)
+    streams = [replace(s, tpot_target_s=INTERACTIVE.tpot_target_s) for s in decoding(0, 5)]
+    crowded = replace(pool("fast", streams, max_num_seqs=12), prompt_tokens_per_s=1200.0)
     assert predict(crowded, 0, 50, INTERACTIVE.tpot_target_s).tpot_s > 0.025
     pools = {"fast": crowded, "bulk": pool("bulk", max_num_seqs=64)}
     assert place(INTERACTIVE, RequestShape(50, 64), pools).pool == "bulk"
-    busy_bulk = replace(pool("bulk", decoding(0, 8), max_num_seqs=64), prompt_tokens_per_s=1200.0)
+    busy_bulk = replace(
+        pool("bulk", streams + streams[:3], max_num_seqs=64), prompt_tokens_per_s=1200.0
+    )
     refused = place(INTERACTIVE, RequestShape(50, 64), {**pools, "bulk": busy_bulk})
     assert (refused.pool, refused.reason) == (None, "shed_slo")
     idle_home = {**pools, "fast": replace(crowded, prompt_tokens_per_s=0.0)}
