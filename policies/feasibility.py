@@ -11,7 +11,6 @@ pool and overflow pool, from the same latency model placement uses
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -59,8 +58,7 @@ def idle_latency_ms(pool: PoolState, tier: Tier) -> tuple[float, float] | None:
     None before the pool has a fitted step cost."""
     if pool.cost.step_s(1, 1) <= 0:
         return None
-    empty = dataclasses.replace(pool, in_flight=())
-    prediction = predict(empty, tier.priority, TYPICAL_PROMPT_TOKENS, tier.tpot_target_s)
+    prediction = predict(pool.idle(), tier.priority, TYPICAL_PROMPT_TOKENS, tier.tpot_target_s)
     return prediction.ttft_s * 1000, prediction.tpot_s * 1000
 
 

@@ -198,7 +198,7 @@ def _queue_ahead(pool: PoolState, prediction: Prediction, num_sequences: int = 1
 
 def _ttft_limit_ms(tier: Tier, shape: RequestShape, pool: PoolState) -> float:
     """The tier's TTFT, or twice the prompt's TTFT on the idle pool when that is longer."""
-    idle = predict(_idle(pool), tier.priority, shape.num_prompt_tokens)
+    idle = predict(pool.idle(), tier.priority, shape.num_prompt_tokens)
     return max(tier.ttft_ms, 2 * idle.ttft_s * 1000)
 
 
@@ -217,16 +217,10 @@ def _tpot_limit_ms(
         if tier.pool in predictions
         else min(predictions, key=lambda n: predictions[n].tpot_s)
     )
-    idle = predict(_idle(pools[home]), tier.priority, shape.num_prompt_tokens, tier.tpot_target_s)
+    idle = predict(pools[home].idle(), tier.priority, shape.num_prompt_tokens, tier.tpot_target_s)
     if idle.tpot_s * 1000 <= tier.tpot_ms:
         return tier.tpot_ms
     return max(tier.tpot_ms, predictions[home].tpot_s * 1000)
-
-
-def _idle(pool: PoolState) -> PoolState:
-    """The pool with nothing in flight and no prompts arriving: what its engine does for a
-    request alone."""
-    return replace(pool, in_flight=(), prompt_tokens_per_s=0.0)
 
 
 def _meets(tier: Tier, prediction: Prediction) -> bool:

@@ -4,7 +4,7 @@ policies/latency.py predicts from it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MAX_PROMPT_TIME_SHARE = 0.8
 """A decode step is predicted at most 5 times as long for the prompts arriving beside it
@@ -97,6 +97,12 @@ class PoolState:
         """The share of a replica's time its arriving prompts take, at the fitted cost of a
         prompt token; at most MAX_PROMPT_TIME_SHARE."""
         return min(MAX_PROMPT_TIME_SHARE, self.cost.prompt_s(self.prompt_tokens_per_s))
+
+    def idle(self) -> PoolState:
+        """This pool with nothing in flight and no prompts arriving: what its engine does for
+        a request alone (SLO feasibility, and placement's limits for what the hardware can
+        do)."""
+        return replace(self, in_flight=(), prompt_tokens_per_s=0.0)
 
     def prompt_tokens_computed(self, num_prompt_tokens: float) -> float:
         """Of `num_prompt_tokens` prompt tokens, those a replica is expected to compute."""

@@ -38,6 +38,10 @@ def test_idle_latency_is_one_prefill_and_one_batch_1_step() -> None:
     assert tpot_ms == pytest.approx(46.2)
     assert ttft_ms == pytest.approx((0.045 + 0.001 + 0.0002 * TYPICAL_PROMPT_TOKENS) * 1000)
     assert idle_latency_ms(pool("interactive", StepCost(0, 0, 0)), INTERACTIVE) is None
+    busy = dataclasses.replace(pool("interactive", SLOW), prompt_tokens_per_s=2000.0)
+    assert idle_latency_ms(busy, INTERACTIVE) == idle_latency_ms(
+        pool("interactive", SLOW), INTERACTIVE
+    )
 
 
 def test_a_tpot_below_the_hardwares_step_is_infeasible_and_said_with_figures() -> None:
